@@ -1,0 +1,91 @@
+"""The package itself: the extension, the warning without it, the backend switch, the Triton range."""
+
+import subprocess
+import sys
+
+import pytest
+import triton
+
+import fastattn
+from fastattn import backend
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=120,
+    )
+
+
+def test_extension_is_built_and_loaded():
+    from fastattn import _C
+
+    assert fastattn.native is _C
+
+
+def test_import_without_extension_warns_once_naming_the_fallback():
+    code = """
+import sys, warnings
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name == "fastattn._C":
+            raise ImportError("blocked for the test")
+sys.meta_path.insert(0, Block())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import fastattn
+    import fastattn.ops
+messages = [str(w.message) for w in caught if "fastattn._C" in str(w.message)]
+assert fastattn.native is None
+print(len(messages)); print(messages[0])
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    count, message = out.stdout.splitlines()[:2]
+    assert count == "1"
+    assert "beam search" in message and "Python" in message
+
+
+def test_unknown_backend_is_rejected():
+    with pytest.raises(ValueError, match="backend must be one of"):
+        fastattn.set_backend("cuda")
+    out = run_python("import fastattn", FASTATTN_BACKEND="fast")
+    assert out.returncode != 0
+    assert "backend must be one of ('auto', 'triton', 'torch'), got 'fast'" in out.stderr
+
+
+def test_set_backend_round_trip():
+    before = fastattn.get_backend()
+    try:
+        for name in backend.BACKENDS:
+            fastattn.set_backend(name)
+            assert fastattn.get_backend() == name
+    finally:
+        fastattn.set_backend(before)
+
+
+def test_triton_outside_supported_range_is_named(monkeypatch):
+    monkeypatch.setattr(triton, "__version__", "2.1.0")
+    assert "triton 2.1.0 is not supported: fastattn needs triton>=3.2,<3.10" == backend._check_triton()
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert backend._check_triton() is None
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter():
+    code = """
+import torch, fastattn
+from fastattn import backend
+fastattn.set_backend("triton")
+try:
+    backend.use_triton(torch.zeros(1))
+except RuntimeError as e:
+    print(e)
+"""
+    env = {"TRITON_INTERPRET": "0", "FASTATTN_BACKEND": "auto"}
+    out = run_python(code, **env)
+    assert "needs Triton's interpreter: set TRITON_INTERPRET=1" in out.stdout, out.stderr
