@@ -1,4 +1,4 @@
-"""The package itself: the extension, the warning without it, the backend switch, the Triton range."""
+"""The package: the extension, the warning without it, the backend switch, the Triton range."""
 
 import subprocess
 import sys
@@ -71,7 +71,8 @@ def test_set_backend_round_trip():
 
 def test_triton_outside_supported_range_is_named(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "2.1.0")
-    assert "triton 2.1.0 is not supported: fastattn needs triton>=3.2,<3.10" == backend._check_triton()
+    expected = "triton 2.1.0 is not supported: fastattn needs triton>=3.2,<3.10"
+    assert backend._check_triton() == expected
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     assert backend._check_triton() is None
 
