@@ -1,0 +1,266 @@
+"""Parallel text for training and evaluation: reading and checking, a joint SentencePiece
+vocabulary, length filtering and token-bucket batches.
+
+Text is read strictly: every line is stripped and must be non-empty valid UTF-8, and the two sides
+must have the same number of lines. Anything else raises DataError with a one-line message that
+names the file and the line. Lines are never split on TAB (Multi30k's train.de has one inside a
+sentence).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+import torch
+
+CORPORA = Path(__file__).parent / "corpora"
+MULTI30K_SPLITS = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}
+MULTI30K_LANGS = ("en", "de", "fr")
+
+# SentencePiece ids; the model pads with PAD_ID and starts/ends target sentences with BOS/EOS.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+
+
+class DataError(ValueError):
+    """Bad input data; the message is one line naming the file (and line) and the problem."""
+
+
+@dataclass
+class ParallelText:
+    """Aligned source and target sentences, with where they came from (for messages)."""
+
+    src: list[str]
+    tgt: list[str]
+    src_path: str
+    tgt_path: str
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The stripped lines of a plain or gzip text file; every line must be non-empty UTF-8."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        with open(path, "rb") as f:
+            gzipped = f.read(2) == b"\x1f\x8b"
+        raw = gzip.open(path, "rb").read() if gzipped else path.read_bytes()
+    except (OSError, EOFError) as e:
+        raise DataError(f"{path}: cannot read ({e})") from None
+    lines = raw.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()  # the final newline ends the last line, it does not start a new one
+    text = []
+    for number, line in enumerate(lines, 1):
+        try:
+            decoded = line.decode("utf-8").strip()
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"{path}:{number}: invalid UTF-8 at byte {e.start} of the line"
+            ) from None
+        if not decoded:
+            raise DataError(f"{path}:{number}: empty line")
+        text.append(decoded)
+    if not text:
+        raise DataError(f"{path}: empty file")
+    return text
+
+
+def read_parallel(src_path: str | Path, tgt_path: str | Path) -> ParallelText:
+    """Reads an aligned pair of text files (plain or .gz) and checks they have as many lines."""
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if len(src) != len(tgt):
+        shorter, longer = (src_path, tgt_path) if len(src) < len(tgt) else (tgt_path, src_path)
+        raise DataError(
+            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}: "
+            f"{shorter} ends at line {min(len(src), len(tgt))}, {longer} continues"
+        )
+    return ParallelText(src, tgt, str(src_path), str(tgt_path))
+
+
+def multi30k_path(split: str, lang: str, tokenized: bool = False) -> Path:
+    """The embedded Multi30k file of a split (train, val, test2016) and language (en, de, fr).
+
+    tokenized=True gives the official lowercased, Moses-tokenised reference (val, test2016)."""
+    if split not in MULTI30K_SPLITS:
+        raise DataError(f"multi30k has splits {sorted(MULTI30K_SPLITS)}, not {split!r}")
+    if lang not in MULTI30K_LANGS:
+        raise DataError(f"multi30k has languages {list(MULTI30K_LANGS)}, not {lang!r}")
+    if tokenized and split == "train":
+        raise DataError("multi30k has tokenized references for val and test2016 only")
+    name = MULTI30K_SPLITS[split]
+    if tokenized:
+        return CORPORA / "multi30k" / "tok" / f"{name}.lc.norm.tok.{lang}.gz"
+    return CORPORA / "multi30k" / f"{name}.{lang}.gz"
+
+
+def load_multi30k(split: str, src: str, tgt: str) -> ParallelText:
+    """One split of the embedded Multi30k corpus (Elliott et al., 2016; 2017)."""
+    if src == tgt:
+        raise DataError(f"source and target language are both {src!r}")
+    return read_parallel(multi30k_path(split, src), multi30k_path(split, tgt))
+
+
+# --- vocabulary --------------------------------------------------------------------------------
+
+
+def train_sentencepiece(
+    sentences: Sequence[str], vocab_size: int, model_type: str = "bpe", threads: int = 2
+) -> bytes:
+    """Trains a SentencePiece model on the sentences and returns its serialized proto.
+
+    Train it on both sides of the training text for a joint vocabulary (the paper shares one
+    source-target BPE vocabulary). The ids are fixed: pad 0, unk 1, bos 2, eos 3."""
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sentences),
+        model_writer=buffer,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        character_coverage=1.0,
+        pad_id=PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        num_threads=threads,
+        input_sentence_size=0,  # use every sentence: no sampling, so training is deterministic
+        minloglevel=2,
+    )
+    return buffer.getvalue()
+
+
+def load_sentencepiece(proto: bytes) -> spm.SentencePieceProcessor:
+    """A SentencePiece processor from a serialized model proto (as stored in checkpoints)."""
+    return spm.SentencePieceProcessor(model_proto=proto)
+
+
+def encode(sp: spm.SentencePieceProcessor, sentences: Sequence[str]) -> list[list[int]]:
+    """Token ids of each sentence, without bos/eos."""
+    return sp.encode(list(sentences), out_type=int)
+
+
+def filter_by_length(
+    src: Sequence[Sequence[int]],
+    tgt: Sequence[Sequence[int]],
+    max_len: int,
+    max_ratio: float = math.inf,
+) -> tuple[list[int], dict[str, int]]:
+    """Indices of the pairs with both sides in [1, max_len] tokens and a length ratio of at most
+    max_ratio, and the counts: kept, too_long, bad_ratio (a pair counts under its first reason)."""
+    keep = []
+    counts = {"kept": 0, "too_long": 0, "bad_ratio": 0}
+    for i, (s, t) in enumerate(zip(src, tgt, strict=True)):
+        if not 1 <= len(s) <= max_len or not 1 <= len(t) <= max_len:
+            counts["too_long"] += 1
+        elif max(len(s), len(t)) > max_ratio * min(len(s), len(t)):
+            counts["bad_ratio"] += 1
+        else:
+            keep.append(i)
+    counts["kept"] = len(keep)
+    return keep, counts
+
+
+# --- batching ----------------------------------------------------------------------------------
+
+
+class TokenBatches:
+    """Token-bucket batching: batches of about max_tokens source + target tokens (padding
+    included), sentences of similar lengths together, batch order shuffled every epoch.
+
+    The batches of an epoch depend only on (seed, epoch), so a run resumed from a position
+    (epoch, step within the epoch) sees exactly the batches it would have seen. With world_size
+    > 1 each rank iterates over its own shard: batch i of the epoch goes to rank i % world_size,
+    and every rank gets the same number of batches.
+    """
+
+    def __init__(
+        self,
+        src_lengths: Sequence[int],
+        tgt_lengths: Sequence[int],
+        max_tokens: int,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.src_lengths = np.asarray(src_lengths, dtype=np.int64)
+        self.tgt_lengths = np.asarray(tgt_lengths, dtype=np.int64)
+        if len(self.src_lengths) != len(self.tgt_lengths) or len(self.src_lengths) == 0:
+            raise ValueError("need the same, non-zero number of source and target lengths")
+        longest = int((self.src_lengths + self.tgt_lengths).max())
+        if max_tokens < longest:
+            raise ValueError(
+                f"max_tokens={max_tokens} is smaller than the longest pair ({longest} tokens)"
+            )
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.max_tokens, self.seed = max_tokens, seed
+        self.rank, self.world_size = rank, world_size
+
+    def epoch(self, epoch: int) -> list[np.ndarray]:
+        """The index batches this rank sees in an epoch, in order."""
+        rng = np.random.default_rng([self.seed, epoch])
+        # Sort by lengths, ties (most sentences) broken at random so batches differ per epoch.
+        order = np.lexsort((rng.random(len(self.src_lengths)), self.src_lengths, self.tgt_lengths))
+        batches, start, widest_src, widest_tgt = [], 0, 0, 0
+        for end, i in enumerate(order):
+            src_max = max(widest_src, self.src_lengths[i])
+            tgt_max = max(widest_tgt, self.tgt_lengths[i])
+            if (end + 1 - start) * (src_max + tgt_max) > self.max_tokens:
+                batches.append(order[start:end])
+                start, src_max, tgt_max = end, self.src_lengths[i], self.tgt_lengths[i]
+            widest_src, widest_tgt = src_max, tgt_max
+        batches.append(order[start:])
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+        usable = len(batches) - len(batches) % self.world_size
+        return batches[self.rank : usable : self.world_size]
+
+    def __len__(self) -> int:
+        return len(self.epoch(0))
+
+    def iterate(self, epoch: int = 0, step: int = 0) -> Iterator[tuple[int, int, np.ndarray]]:
+        """Endless (epoch, step within epoch, indices) from a position, epoch after epoch."""
+        while True:
+            for i, batch in enumerate(self.epoch(epoch)[step:], step):
+                yield epoch, i, batch
+            epoch, step = epoch + 1, 0
+
+    def padding_fraction(self, epoch: int = 0) -> float:
+        """Share of padding in the padded source + target tensors of an epoch's batches."""
+        real = padded = 0
+        for b in self.epoch(epoch):
+            s, t = self.src_lengths[b], self.tgt_lengths[b]
+            real += int(s.sum() + t.sum())
+            padded += len(b) * int(s.max() + t.max())
+        return 1 - real / padded
+
+
+def collate(
+    src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]], indices: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded (source, decoder input, decoder target) id tensors of a batch.
+
+    The source ends with EOS; the decoder input is BOS + target, the decoder target is
+    target + EOS. Padding is PAD_ID."""
+    import torch
+
+    n = len(indices)
+    src_len = max(len(src[i]) for i in indices) + 1
+    tgt_len = max(len(tgt[i]) for i in indices) + 1
+    source = torch.full((n, src_len), PAD_ID, dtype=torch.long)
+    inputs = torch.full((n, tgt_len), PAD_ID, dtype=torch.long)
+    targets = torch.full((n, tgt_len), PAD_ID, dtype=torch.long)
+    for row, i in enumerate(indices):
+        s, t = src[i], tgt[i]
+        source[row, : len(s) + 1] = torch.tensor([*s, EOS_ID])
+        inputs[row, : len(t) + 1] = torch.tensor([BOS_ID, *t])
+        targets[row, : len(t) + 1] = torch.tensor([*t, EOS_ID])
+    return source, inputs, targets
