@@ -1,0 +1,193 @@
+"""The measurement protocol every benchmark follows: one device, one timing rule, one honest peak
+memory figure, and the device's peak FLOP/s for utilisation.
+
+Timing: two untimed calls (lazy initialisation, allocator warm-up, autotuning), then rounds of
+`iterations` calls each, sized so a round lasts about ROUND_SECONDS and the whole benchmark
+about BUDGET_SECONDS, never fewer than MIN_ROUNDS rounds. CUDA work is synchronised inside every
+timed call. FASTATTN_BENCH_QUICK=1 shrinks shapes and rounds to a smoke run (numbers meaningless).
+
+Peak memory: bytes allocated by one call above what was allocated when it started, at the
+high-water mark. On CUDA from torch.cuda.max_memory_allocated; on CPU from the allocation events
+torch's profiler records for every CPU tensor allocation and free (profile_memory=True), replayed
+in time order — the CPU equivalent of max_memory_allocated, not the process RSS.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+QUICK = os.environ.get("FASTATTN_BENCH_QUICK", "0") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+CORES = len(os.sched_getaffinity(0))
+
+ROUND_SECONDS = 0.01 if QUICK else 0.05
+BUDGET_SECONDS = 0.05 if QUICK else 2.0
+MIN_ROUNDS = 2 if QUICK else 5
+MAX_ROUNDS = 5 if QUICK else 200
+
+
+def low_precision() -> torch.dtype:
+    """The 16-bit dtype training uses on this device: bf16 where supported, else fp16."""
+    if DEVICE.type == "cuda" and not torch.cuda.is_bf16_supported():
+        return torch.float16
+    return torch.bfloat16
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+DTYPES = ("float32", dtype_name(low_precision()))  # names, so pytest-benchmark's JSON keeps them
+
+
+def synchronize() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(
+    benchmark,
+    fn: Callable[[], object],
+    *,
+    group: str,
+    flop: float | None = None,
+    bytes_moved: float | None = None,
+    min_rounds: int = MIN_ROUNDS,
+    **info,
+) -> None:
+    """Times fn with pytest-benchmark and records FLOP, bytes moved, their rates and peak memory
+    in extra_info; `info` adds descriptive fields (impl, shape, dtype, ...)."""
+
+    def call():
+        fn()
+        synchronize()
+
+    call()
+    start = time.perf_counter()
+    call()
+    once = time.perf_counter() - start
+    iterations = max(1, round(ROUND_SECONDS / once))
+    rounds = round(BUDGET_SECONDS / (once * iterations))
+    rounds = min(MAX_ROUNDS, max(MIN_ROUNDS if QUICK else min_rounds, rounds))
+
+    benchmark.group = group
+    benchmark.extra_info.update(info)
+    benchmark.extra_info["peak_memory_bytes"] = peak_memory(fn)
+    benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=1)
+    if benchmark.stats is None:  # --benchmark-disable: nothing was timed
+        return
+    median = benchmark.stats.stats.median
+    if flop is not None:
+        benchmark.extra_info["flop"] = flop
+        benchmark.extra_info["flop_per_s"] = flop / median
+    if bytes_moved is not None:
+        benchmark.extra_info["bytes_moved"] = bytes_moved
+        benchmark.extra_info["bytes_per_s"] = bytes_moved / median
+
+
+def peak_memory(fn: Callable[[], object]) -> int:
+    """Bytes allocated by fn (and freed by the time it returns or not) above the allocation level
+    at its start, at the high-water mark. See the module docstring for how."""
+    if DEVICE.type == "cuda":
+        synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        fn()
+        synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+
+    def walk(events):
+        for event in events:
+            yield event
+            yield from walk(event.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    allocations = sorted(
+        (event.start_time_ns, event.extra_fields.alloc_size)
+        for event in walk(tree)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu"
+    )
+    level = peak = 0
+    for _, size in allocations:
+        level += size
+        peak = max(peak, level)
+    return peak
+
+
+def attention_flop(
+    batch: int, heads: int, lq: int, lk: int, head_dim: int, *, causal: bool, backward: bool
+) -> float:
+    """FLOP of softmax(q k^T) v: two matmuls of 2 FLOP per multiply-add over the (query, key)
+    pairs attended, all of them or the lower triangle (top-left aligned) when causal. Backward
+    adds 2.5x forward (five matmuls against two), the FlashAttention convention. Every
+    implementation is credited with the same useful FLOP, so rates compare like times do."""
+    pairs = lq * lk
+    if causal:
+        pairs = sum(min(i + 1, lk) for i in range(lq))
+    forward = 4 * batch * heads * pairs * head_dim
+    return forward * (3.5 if backward else 1.0)
+
+
+def cpu_peak_flop_per_s(dtype: torch.dtype) -> tuple[float, str]:
+    """An estimate of the CPU's peak dense FLOP/s for `dtype` from /proc/cpuinfo, with the
+    arithmetic spelled out: cores x FMA lanes per cycle x 2 FLOP x clock. It is an estimate (the
+    clock is the one /proc/cpuinfo reports, turbo and throttling are ignored)."""
+    fields: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    ghz = float(fields.get("cpu MHz", "0")) / 1000
+    zen4 = fields.get("vendor_id") == "AuthenticAMD" and fields.get("cpu family") == "25"
+    if "avx512f" in flags and not zen4:
+        lanes, why = 32, "two 512-bit FMA pipes"
+    elif "avx512f" in flags or "avx2" in flags:
+        lanes, why = 16, "two 256-bit FMA pipes"
+    else:
+        lanes, why = 8, "two 128-bit FMA pipes"
+    per_cycle = 2 * lanes
+    if dtype in (torch.bfloat16, torch.float16):
+        if "amx_bf16" in flags:
+            per_cycle, why = 1024, "AMX bf16 tiles"
+        elif "avx512_bf16" in flags:
+            per_cycle, why = 2 * per_cycle, f"{why} with AVX-512 BF16 pair dot products"
+    peak = CORES * per_cycle * ghz * 1e9
+    text = (
+        f"{CORES} cores x {per_cycle} {dtype_name(dtype)} FLOP/cycle ({why}) x {ghz:.2f} GHz"
+        f" = {peak / 1e9:.0f} GFLOP/s (estimate from /proc/cpuinfo)"
+    )
+    return peak, text
+
+
+def device_peak_flop_per_s(dtype: torch.dtype) -> tuple[float, str] | None:
+    """Peak FLOP/s of the device benchmarks run on, or None for an unknown GPU."""
+    if DEVICE.type == "cpu":
+        return cpu_peak_flop_per_s(dtype)
+    from benchmarks.gpus import GPUS
+
+    name = torch.cuda.get_device_name()
+    for gpu in GPUS:
+        if gpu.match in name:
+            peak = gpu.fp32 if dtype == torch.float32 else gpu.half
+            return peak, f"{gpu.name} published dense {dtype_name(dtype)} peak"
+    return None
+
+
+def device_name() -> str:
+    if DEVICE.type == "cuda":
+        return torch.cuda.get_device_name()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return f"{line.partition(':')[2].strip()} ({CORES} cores)"
+    return f"CPU ({CORES} cores)"
