@@ -1,0 +1,200 @@
+"""fastattn.ops.layer_norm_residual against the float64 PyTorch reference, on both backends."""
+
+import pytest
+import torch
+from fastattn.kernels.layer_norm import (
+    MAX_FEATURES,
+    _dropout_keep_mask,
+    forward_bytes,
+    layer_norm_residual_reference,
+)
+
+from fastattn.backend import use_triton
+from fastattn.ops import layer_norm_residual
+
+ROWS = (3, 2)  # leading dims, flattened to 6 rows: small for the interpreter
+
+
+def _inputs(n, dtype, *, residual=True, weight=True, bias=True, residual_dtype=None, seed=0):
+    """float64 masters (x, residual, weight, bias), None where absent."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*ROWS, n, generator=g, dtype=torch.float64) * 2 + 0.5
+    r = torch.randn(*ROWS, n, generator=g, dtype=torch.float64) if residual else None
+    w = torch.randn(n, generator=g, dtype=torch.float64) if weight else None
+    b = torch.randn(n, generator=g, dtype=torch.float64) if bias else None
+    stream = residual_dtype or dtype  # the residual stream's dtype, also the parameters'
+    dtypes = (dtype, stream, stream, stream)
+    return (x, r, w, b), dtypes
+
+
+def _run(fn, masters, dtypes, grads, **kw):
+    """Forward and backward of fn on copies of masters cast to dtypes; returns outputs, grads."""
+    leaves = [
+        None if m is None else m.to(d, copy=True).requires_grad_()
+        for m, d in zip(masters, dtypes, strict=True)
+    ]
+    y, s = fn(*leaves, **kw)
+    gy, gs = grads
+    ((y.double() * gy).sum() + (s.double() * gs).sum()).backward()
+    return [y, s], [None if t is None else t.grad for t in leaves]
+
+
+def _reference(keep=None, dropout_p=0.0):
+    def fn(x, r, w, b, eps=1e-5):
+        return layer_norm_residual_reference(x, r, w, b, eps, keep, dropout_p)
+
+    return fn
+
+
+def _ours(x, r, w, b, eps=1e-5, dropout_p=0.0):
+    return layer_norm_residual(x, r, w, b, eps, dropout_p=dropout_p, return_residual=True)
+
+
+def _check(ours, exact, torch_lowp, dtype):
+    """ours within 2x PyTorch's own error in dtype (plus a floor), both against float64."""
+    for o, e, t in zip(ours, exact, torch_lowp, strict=True):
+        assert (o is None) == (e is None)
+        if o is None:
+            continue
+        assert o.dtype == t.dtype and o.shape == e.shape
+        assert torch.isfinite(o).all()
+        floor = 1e-5 if dtype == torch.float32 else 2e-3
+        torch_err = (t.double() - e).abs().max().item()
+        err = (o.double() - e).abs().max().item()
+        assert err <= 2 * torch_err + floor * max(1.0, e.abs().max().item()), (err, torch_err)
+
+
+def _compare(n, dtype, dropout_p=0.0, seed=0, **input_kw):
+    masters, dtypes = _inputs(n, dtype, seed=seed, **input_kw)
+    g = torch.Generator().manual_seed(seed + 1)
+    grads = (torch.randn(*ROWS, n, generator=g, dtype=torch.float64),
+             torch.randn(*ROWS, n, generator=g, dtype=torch.float64))
+    torch.manual_seed(seed)
+    out, dparams = _run(_ours, masters, dtypes, grads, dropout_p=dropout_p)
+    keep = None
+    if dropout_p > 0:
+        torch.manual_seed(seed)
+        keep = _dropout_keep_mask(masters[0].to(dtype), dropout_p)
+    reference = _reference(keep, dropout_p)
+    exact_out, exact_grads = _run(reference, masters, [torch.float64] * 4, grads)
+    lowp_out, lowp_grads = _run(reference, masters, dtypes, grads)
+    _check(out, exact_out, lowp_out, dtype)
+    _check(dparams, exact_grads, lowp_grads, dtype)
+    return keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n", [1, 16, 512, 1000, 1023, 4099])
+def test_matches_float64_reference(n, dtype):
+    _compare(n, dtype)
+
+
+@pytest.mark.parametrize(
+    "parts",
+    [dict(residual=False), dict(weight=False, bias=False), dict(bias=False), dict(weight=False)],
+)
+def test_optional_residual_weight_bias(parts):
+    _compare(1000, torch.float32, **parts)
+
+
+def test_mixed_dtypes_promote():
+    """fp16 sub-layer output onto an fp32 residual stream: output fp32, grads in input dtypes."""
+    _compare(512, torch.float16, residual_dtype=torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dropout_p", [0.1, 0.5])
+def test_dropout_matches_reference_with_its_mask(dropout_p, dtype):
+    """Forward and every gradient agree with the reference given the op's own keep mask, so the
+    backward regenerated exactly the mask of the forward."""
+    keep = _compare(1023, dtype, dropout_p=dropout_p, seed=3)
+    assert 0 < keep.sum() < keep.numel()
+
+
+def test_dropout_mask_statistics():
+    x = torch.randn(64, 1024)
+    keep = _dropout_keep_mask(x, 0.3)
+    assert abs(keep.float().mean().item() - 0.7) < 0.01  # std of the mean here is 0.0018
+    assert not torch.equal(keep[0], keep[1])  # rows draw different numbers
+    assert not torch.equal(keep, _dropout_keep_mask(x, 0.3))  # each call draws a fresh seed
+
+
+def test_dropout_reproducible_under_manual_seed():
+    x, r = torch.randn(2, 4, 100), torch.randn(2, 4, 100)
+    torch.manual_seed(7)
+    a = layer_norm_residual(x, r, None, None, dropout_p=0.4)
+    torch.manual_seed(7)
+    b = layer_norm_residual(x, r, None, None, dropout_p=0.4)
+    torch.manual_seed(8)
+    c = layer_norm_residual(x, r, None, None, dropout_p=0.4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+def test_widest_supported_row():
+    _compare(MAX_FEATURES, torch.float32, dropout_p=0.1)
+
+
+def test_rows_beyond_the_kernel_limit():
+    x = torch.randn(2, MAX_FEATURES + 1)
+    if use_triton(x):
+        with pytest.raises(ValueError, match=f"at most {MAX_FEATURES} features"):
+            layer_norm_residual(x, x, None, None)
+    else:  # PyTorch has no row limit
+        exact, _ = layer_norm_residual_reference(x.double(), x.double(), None, None)
+        torch.testing.assert_close(layer_norm_residual(x, x, None, None).double(), exact)
+
+
+def test_returns_only_y_by_default_and_keeps_shape():
+    x = torch.randn(2, 3, 5, 8)
+    y = layer_norm_residual(x, torch.randn_like(x), torch.ones(8), torch.zeros(8))
+    assert isinstance(y, torch.Tensor) and y.shape == x.shape
+
+
+def test_gradient_through_the_returned_sum_only():
+    x, r = torch.randn(4, 33, requires_grad=True), torch.randn(4, 33, requires_grad=True)
+    _, s = layer_norm_residual(x, r, None, None, return_residual=True)
+    g = torch.randn(4, 33)
+    (s * g).sum().backward()
+    torch.testing.assert_close(x.grad, g)
+    torch.testing.assert_close(r.grad, g)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(residual=torch.randn(3, 9)), "residual shape"),
+        (dict(weight=torch.randn(7)), "weight must have shape"),
+        (dict(bias=torch.randn(2, 8)), "bias must have shape"),
+        (dict(dropout_p=1.0), "dropout_p must be in"),
+    ],
+)
+def test_bad_input_errors(args, message):
+    kw = dict(residual=None, weight=None, bias=None) | args
+    with pytest.raises(ValueError, match=message):
+        layer_norm_residual(torch.randn(3, 8), kw.pop("residual"), kw.pop("weight"),
+                            kw.pop("bias"), **kw)
+
+
+def test_forward_bytes():
+    fused, unfused = forward_bytes((4, 1024), torch.float16)
+    elements, params = 4 * 1024, 2 * 1024 * 2 + 4 * 8
+    assert fused == 6 * elements + params  # read x, read residual, write y
+    assert unfused == 10 * elements + params  # add: 3 accesses, layer_norm: 2
+    fused, unfused = forward_bytes((4, 1024), torch.float16, dropout=True, return_residual=True)
+    assert (fused, unfused) == (8 * elements + params, 15 * elements + params)
+
+
+@pytest.mark.skipif(
+    not use_triton(torch.empty(0)),
+    reason="the fastattn::layer_norm_residual_* ops run the Triton kernels, which this backend "
+    "(FASTATTN_BACKEND=torch, or auto on CPU) does not use",
+)
+def test_custom_op_registration():
+    x, r = torch.randn(5, 40, requires_grad=True), torch.randn(5, 40, requires_grad=True)
+    w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
+    seed = torch.tensor([123])
+    torch.library.opcheck(
+        torch.ops.fastattn.layer_norm_residual_fwd.default,
+        (x, r, w, b, seed, 1e-5, 0.25, True),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
