@@ -1,0 +1,556 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), on fastattn's fused ops.
+
+Read top to bottom: the configuration and its presets (the paper's base and big models, every
+row of Table 3, small models for CPU), then one small module per piece of section 3, then the
+encoder-decoder with its fused training loss and its incremental decoding for beam search.
+
+Token ids are (B, L) LongTensors padded with `pad_id` at the end; everything inside is batch
+first. Section numbers refer to the paper.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fastattn import ops
+from fastattn.modules import ResidualLayerNorm
+
+__all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int = 37000  # one vocabulary shared by source and target (section 5.1)
+    encoder_layers: int = 6  # N
+    decoder_layers: int = 6  # N
+    d_model: int = 512
+    d_ff: int = 2048
+    heads: int = 8  # h
+    d_k: int | None = None  # per head; None: d_model / h
+    d_v: int | None = None  # per head; None: d_model / h
+    dropout: float = 0.1  # P_drop, on sub-layer outputs and on embeddings + positions (5.4)
+    label_smoothing: float = 0.1  # ε_ls (5.4)
+    positions: str = "sinusoidal"  # or "learned" (Table 3 row E)
+    max_len: int = 1024  # rows of the position table (sinusoids extend beyond it)
+    pad_id: int = 0
+    pre_norm: bool = False  # not the paper's: x + Dropout(Sublayer(LayerNorm(x)))
+    attention_dropout: float = 0.0  # not in the paper: dropout on attention weights
+    activation_dropout: float = 0.0  # not in the paper: dropout after the ReLU
+
+    def __post_init__(self) -> None:
+        sizes = ("vocab_size", "encoder_layers", "decoder_layers", "d_model", "d_ff", "heads",
+                 "max_len")
+        for name in sizes:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"TransformerConfig.{name} must be positive, got "
+                                 f"{getattr(self, name)}")
+        if (self.d_k is None or self.d_v is None) and self.d_model % self.heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}; "
+                             "set d_k and d_v explicitly")
+        if self.positions not in ("sinusoidal", "learned"):
+            raise ValueError(f"positions must be 'sinusoidal' or 'learned', got "
+                             f"{self.positions!r}")
+        for name in ("dropout", "label_smoothing", "attention_dropout", "activation_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        if not 0 <= self.pad_id < self.vocab_size:
+            raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+
+    @property
+    def key_dim(self) -> int:
+        return self.d_k or self.d_model // self.heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.d_v or self.d_model // self.heads
+
+
+BASE = TransformerConfig()
+
+# A plain dict: edit or add entries freely. Table 3 rows keep base's other values; in rows A and
+# C d_k = d_v = d_model / h follows from the others, in row B d_v stays 64.
+PRESETS: dict[str, TransformerConfig] = {
+    "base": BASE,  # 65M parameters in Table 3
+    "big": replace(BASE, d_model=1024, d_ff=4096, heads=16, dropout=0.3),  # 213M (0.1 for en-fr)
+    "table3-A1": replace(BASE, heads=1),  # d_k = d_v = 512
+    "table3-A2": replace(BASE, heads=4),  # 128
+    "table3-A3": replace(BASE, heads=16),  # 32
+    "table3-A4": replace(BASE, heads=32),  # 16
+    "table3-B1": replace(BASE, d_k=16, d_v=64),
+    "table3-B2": replace(BASE, d_k=32, d_v=64),
+    "table3-C1": replace(BASE, encoder_layers=2, decoder_layers=2),
+    "table3-C2": replace(BASE, encoder_layers=4, decoder_layers=4),
+    "table3-C3": replace(BASE, encoder_layers=8, decoder_layers=8),
+    "table3-C4": replace(BASE, d_model=256),  # d_k = d_v = 32
+    "table3-C5": replace(BASE, d_model=1024),  # d_k = d_v = 128
+    "table3-C6": replace(BASE, d_ff=1024),
+    "table3-C7": replace(BASE, d_ff=4096),
+    "table3-D1": replace(BASE, dropout=0.0),
+    "table3-D2": replace(BASE, dropout=0.2),
+    "table3-D3": replace(BASE, label_smoothing=0.0),
+    "table3-D4": replace(BASE, label_smoothing=0.2),
+    "table3-E": replace(BASE, positions="learned"),
+    # CPU scale, not in the paper. The default for Multi30k (29k sentence pairs) follows the
+    # small Transformers published for it; vocab_size is set from the SentencePiece model.
+    "multi30k": TransformerConfig(vocab_size=8000, encoder_layers=4, decoder_layers=4,
+                                  d_model=256, d_ff=512, heads=4, dropout=0.1),
+    "tiny": TransformerConfig(vocab_size=1000, encoder_layers=2, decoder_layers=2, d_model=64,
+                              d_ff=128, heads=4, dropout=0.1),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks, one per piece of section 3
+# ---------------------------------------------------------------------------------------------
+
+
+def sinusoids(length: int, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i / d_model)), PE(pos, 2i + 1) = cos(...) (3.5)."""
+    position = torch.arange(length, dtype=torch.float64).unsqueeze(1)
+    frequency = 10000.0 ** (-torch.arange(0, d_model, 2, dtype=torch.float64) / d_model)
+    table = torch.zeros(length, d_model, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(position * frequency)
+    table[:, 1::2] = torch.cos(position * frequency[: d_model // 2])
+    return table.float()
+
+
+class Embedding(nn.Module):
+    """Token embedding · √d_model + position, then dropout (3.4, 3.5, 5.4). The one matrix is
+    shared by source, target and the pre-softmax projection (3.4)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.dropout = cfg.dropout
+        self.scale = math.sqrt(cfg.d_model)
+        # Unit variance after scaling, as in tensor2tensor.
+        self.weight = nn.Parameter(torch.randn(cfg.vocab_size, cfg.d_model) * cfg.d_model**-0.5)
+        if cfg.positions == "learned":
+            self.learned_positions = nn.Parameter(
+                torch.randn(cfg.max_len, cfg.d_model) * cfg.d_model**-0.5
+            )
+        else:
+            self.register_buffer("sinusoids", sinusoids(cfg.max_len, cfg.d_model),
+                                 persistent=False)
+
+    def positions(self, start: int, length: int) -> Tensor:
+        """Rows start .. start + length - 1 of the position table, (length, d_model)."""
+        table = getattr(self, "learned_positions", None)
+        if table is None:
+            table = self.sinusoids
+            if start + length > len(table):  # sinusoids extrapolate (3.5)
+                table = sinusoids(start + length, table.shape[1]).to(table.device)
+        elif start + length > len(table):
+            raise ValueError(f"position {start + length - 1} is beyond the {len(table)} learned "
+                             "positions (TransformerConfig.max_len)")
+        return table[start : start + length]
+
+    def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
+        """tokens (B, L) -> (B, L, d_model), the first token at position `start`."""
+        x = F.embedding(tokens, self.weight) * self.scale + self.positions(start, tokens.shape[1])
+        return F.dropout(x, self.dropout, self.training)
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """(B, L, h·d) -> (B, h, L, d), a view."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, h, L, d) -> (B, L, h·d)."""
+    return x.transpose(1, 2).flatten(2)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+    """Attention(Q, K, V) = softmax(Q K^T / √d_k) V (eq. 1) through ops.attention, which takes
+    d_k = d_v only: for Table 3 row B the narrower side is zero-padded, which changes neither the
+    scores (the scale stays d_k^-0.5) nor the output (its padded columns are cut off)."""
+    d_k, d_v = q.shape[-1], v.shape[-1]
+    if d_k == d_v:
+        return ops.attention(q, k, v, **kwargs)
+    width = max(d_k, d_v)
+    q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
+    return ops.attention(q, k, v, scale=d_k**-0.5, **kwargs)[..., :d_v]
+
+
+class SelfAttention(nn.Module):
+    """MultiHead(x, x, x) = Concat(head_1, ..., head_h) W^O with
+    head_i = Attention(x W_i^Q, x W_i^K, x W_i^V) (3.2.2); the three projections are one matrix."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.heads, self.dropout = cfg.heads, cfg.attention_dropout
+        self.split = (cfg.heads * cfg.key_dim, cfg.heads * cfg.key_dim, cfg.heads * cfg.value_dim)
+        self.qkv = nn.Linear(cfg.d_model, sum(self.split))
+        self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """x (B, L, d_model), mask (B, 1, 1, L) bool True = attend -> (B, L, d_model)."""
+        q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
+        dropout_p = self.dropout if self.training else 0.0
+        return self.out(merge_heads(attention(q, k, v, attn_mask=mask, causal=causal,
+                                              dropout_p=dropout_p)))
+
+    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, t: int) -> Tensor:
+        """One decoding step: x (N, d_model) at position t; stores its key and value at t in the
+        caches (N, h, capacity, d) and attends to positions 0..t -> (N, d_model)."""
+        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(self.split, dim=-1)
+        n = x.shape[0]
+        cache_k[:, :, t] = k.view(n, self.heads, -1)
+        cache_v[:, :, t] = v.view(n, self.heads, -1)
+        q = q.view(n, self.heads, 1, -1)
+        out = attention(q, cache_k[:, :, : t + 1], cache_v[:, :, : t + 1])
+        return F.linear(out.view(n, -1), self.out.weight, self.out.bias)
+
+
+class CrossAttention(nn.Module):
+    """MultiHead(x, memory, memory) (3.2.3): decoder queries over the encoder output."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.heads, self.dropout = cfg.heads, cfg.attention_dropout
+        self.split = (cfg.heads * cfg.key_dim, cfg.heads * cfg.value_dim)
+        self.q = nn.Linear(cfg.d_model, cfg.heads * cfg.key_dim)
+        self.kv = nn.Linear(cfg.d_model, sum(self.split))
+        self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """memory (B, S, d_model) -> keys (B, h, S, d_k) and values (B, h, S, d_v)."""
+        k, v = self.kv(memory).split(self.split, dim=-1)
+        return split_heads(k, self.heads), split_heads(v, self.heads)
+
+    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
+        """x (B, T, d_model), memory (B, S, d_model), memory_mask (B, 1, 1, S) -> (B, T, d_model)."""
+        k, v = self.memory_kv(memory)
+        dropout_p = self.dropout if self.training else 0.0
+        q = split_heads(self.q(x), self.heads)
+        return self.out(merge_heads(attention(q, k, v, attn_mask=memory_mask,
+                                              dropout_p=dropout_p)))
+
+    def step(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor, sentences: Tensor | None,
+             ) -> Tensor:
+        """One decoding step for x (N, d_model) over per-sentence keys k (B, h, S, d_k), values
+        and mask (B, 1, 1, S). Rows grouped by sentence (sentences=None, N = B·r) attend as r
+        queries of their sentence, with no copy of k and v; otherwise row i reads sentence
+        sentences[i]."""
+        n = x.shape[0]
+        q = F.linear(x, self.q.weight, self.q.bias)
+        if sentences is None:
+            q = q.view(k.shape[0], -1, self.heads, k.shape[-1]).transpose(1, 2)  # (B, h, r, d_k)
+        else:
+            q = q.view(n, self.heads, 1, -1)
+            k, v, mask = k[sentences], v[sentences], mask[sentences]
+        out = attention(q, k, v, attn_mask=mask)
+        return F.linear(out.transpose(1, 2).reshape(n, -1), self.out.weight, self.out.bias)
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (eq. 2)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.dropout = cfg.activation_dropout
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.dropout(F.relu(self.w1(x)), self.dropout, self.training))
+
+
+class AddNorm(nn.Module):
+    """"Add & Norm" around a sub-layer: LayerNorm(x + Dropout(Sublayer(x))) (3.1, 5.4), in one
+    fused op. With pre_norm (not the paper's): x + Dropout(Sublayer(LayerNorm(x)))."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.pre_norm = cfg.pre_norm
+        self.norm = ResidualLayerNorm(cfg.d_model, cfg.dropout)
+
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        if self.pre_norm:
+            y = sublayer(F.layer_norm(x, x.shape[-1:], self.norm.weight, self.norm.bias))
+            return x + F.dropout(y, self.norm.dropout, self.training)
+        return self.norm(sublayer(x), x)
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention, then the feed-forward network, each inside Add & Norm (3.1)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.self_attention = SelfAttention(cfg)
+        self.self_attention_norm = AddNorm(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.feed_forward_norm = AddNorm(cfg)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        x = self.self_attention_norm(x, lambda h: self.self_attention(h, mask))
+        return self.feed_forward_norm(x, self.feed_forward)
+
+
+class DecoderLayer(nn.Module):
+    """Masked self-attention, attention over the encoder output, then the feed-forward network,
+    each inside Add & Norm (3.1)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.self_attention = SelfAttention(cfg)
+        self.self_attention_norm = AddNorm(cfg)
+        self.cross_attention = CrossAttention(cfg)
+        self.cross_attention_norm = AddNorm(cfg)
+        self.feed_forward = FeedForward(cfg)
+        self.feed_forward_norm = AddNorm(cfg)
+
+    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+        # Causal: position i sees positions <= i only (3.2.3). Target padding sits at the end,
+        # so no real position ever sees it.
+        x = self.self_attention_norm(x, lambda h: self.self_attention(h, causal=True))
+        x = self.cross_attention_norm(x, lambda h: self.cross_attention(h, memory, memory_mask))
+        return self.feed_forward_norm(x, self.feed_forward)
+
+    def step(self, x: Tensor, state: DecodingState, layer: int) -> Tensor:
+        """x (N, d_model), the newest position of every row -> (N, d_model)."""
+        k, v = state.self_k[layer], state.self_v[layer]
+        x = self.self_attention_norm(x, lambda h: self.self_attention.step(h, k, v, state.length))
+        x = self.cross_attention_norm(x, lambda h: self.cross_attention.step(
+            h, state.memory_k[layer], state.memory_v[layer], state.memory_mask, state.sentences))
+        return self.feed_forward_norm(x, self.feed_forward)
+
+
+class Stack(nn.Module):
+    """N identical layers; pre-norm stacks end with one more LayerNorm."""
+
+    def __init__(self, cfg: TransformerConfig, layer: type[nn.Module], n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layer(cfg) for _ in range(n))
+        self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else None
+
+    def forward(self, x: Tensor, *args) -> Tensor:
+        for layer in self.layers:
+            x = layer(x, *args)
+        return x if self.final_norm is None else self.final_norm(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+
+class Transformer(nn.Module):
+    """The encoder-decoder of Figure 1 with tied embeddings (3.4).
+
+    Training: ``model.loss(src, tgt_in, tgt_out)`` (the fused projection + label-smoothed loss,
+    full logits never exist). Inference: ``model(src, tgt_in)`` gives logits; for search,
+    ``state = model.start_decoding(src)`` then ``model.decode_step(tokens, state)`` per position
+    and ``state.reorder(rows)`` between steps (see start_decoding).
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embedding = Embedding(cfg)
+        self.encoder = Stack(cfg, EncoderLayer, cfg.encoder_layers)
+        self.decoder = Stack(cfg, DecoderLayer, cfg.decoder_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(".weight") and p.dim() == 2 and not name.startswith("embedding"):
+                nn.init.xavier_uniform_(p)
+            elif name.endswith(".bias") and not name.endswith("norm.bias"):
+                nn.init.zeros_(p)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> Transformer:
+        """A model from PRESETS[name] with fields replaced, e.g. vocab_size=8000."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+        return cls(replace(PRESETS[name], **overrides))
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def padding_mask(self, src: Tensor) -> Tensor:
+        """src (B, S) -> (B, 1, 1, S) bool, True at real tokens (the attention op's convention)."""
+        return (src != self.cfg.pad_id)[:, None, None, :]
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, S) -> memory (B, S, d_model) and its padding mask (B, 1, 1, S)."""
+        _check_tokens("src", src, self.cfg.vocab_size)
+        mask = self.padding_mask(src)
+        return self.encoder(self.embedding(src), mask), mask
+
+    def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+        """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model)."""
+        _check_tokens("tgt_in", tgt_in, self.cfg.vocab_size)
+        return self.decoder(self.embedding(tgt_in), memory, memory_mask)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, vocab_size) for the next tokens."""
+        hidden = self.decode(tgt_in, *self.encode(src))
+        return F.linear(hidden, self.embedding.weight)
+
+    def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *,
+             reduction: str = "mean") -> Tensor:
+        """The label-smoothed cross-entropy (ε_ls from the config) of tgt_out (B, T), tgt_in
+        shifted by one, over its non-padding tokens: "mean" per token or "sum". Projection and
+        loss are one fused op, so the (tokens × vocabulary) logits are never materialised."""
+        if tgt_out.shape != tgt_in.shape:
+            raise ValueError(f"tgt_out {tuple(tgt_out.shape)} and tgt_in {tuple(tgt_in.shape)} "
+                             "must have the same shape")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        hidden = self.decode(tgt_in, *self.encode(src))
+        real = tgt_out != self.cfg.pad_id  # padding costs no projection
+        return ops.linear_cross_entropy(
+            hidden[real], self.embedding.weight, tgt_out[real],
+            smoothing=self.cfg.label_smoothing, reduction=reduction,
+        )
+
+    # -- incremental decoding -----------------------------------------------------------------
+
+    @torch.inference_mode()
+    def start_decoding(self, src: Tensor, capacity: int | None = None) -> DecodingState:
+        """Encodes src (B, S) once and returns the state for decode_step.
+
+        The encoder keys and values of every decoder layer are computed here, once per sentence
+        (not per beam). The rows decode_step sees (N of them, any multiple of B on the first
+        call, e.g. B·beam) map to sentences: row i of the first call belongs to sentence
+        i // (N / B). ``state.reorder(rows)`` (rows (N',) LongTensor: new row j continues old
+        row rows[j]) reorders, duplicates or drops rows: the self-attention caches follow, and
+        sentences no row refers to any more are dropped from the encoder memory. This is the
+        step_fn of fastattn.beam_search::
+
+            state = model.start_decoding(src)
+            def step_fn(tokens, reorder):  # tokens (N, t), BOS first
+                if reorder is not None:
+                    state.reorder(reorder)
+                return model.decode_step(tokens[:, -1], state)
+
+        `capacity` is the number of positions preallocated per row (default S + 50, the paper's
+        maximum output length); the caches grow when a longer output needs it. Decoding is
+        inference: no dropout, no gradients.
+        """
+        memory, mask = self.encode(src)
+        memory_kv = [layer.cross_attention.memory_kv(memory) for layer in self.decoder.layers]
+        return DecodingState(
+            memory_k=[k.contiguous() for k, _ in memory_kv],
+            memory_v=[v.contiguous() for _, v in memory_kv],
+            memory_mask=mask,
+            capacity=capacity or src.shape[1] + 50,
+        )
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: Tensor, state: DecodingState) -> Tensor:
+        """tokens (N,): the newest token of every row (BOS on the first call), at position
+        state.length -> log-probabilities (N, vocab_size) of the next token. Costs O(length):
+        earlier positions are read from the caches, not recomputed."""
+        if state.self_k is None:
+            state.allocate(tokens.shape[0], self.cfg, self.embedding.weight)
+        elif tokens.shape[0] != state.self_k.shape[1]:
+            raise ValueError(f"decode_step got {tokens.shape[0]} tokens for "
+                             f"{state.self_k.shape[1]} rows; call state.reorder(rows) first")
+        state.ensure_capacity(state.length + 1)
+        x = self.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer.step(x, state, i)
+        if self.decoder.final_norm is not None:
+            x = self.decoder.final_norm(x)
+        state.length += 1
+        return torch.log_softmax(F.linear(x, self.embedding.weight).float(), dim=-1)
+
+
+class DecodingState:
+    """What decode_step keeps between positions: per decoder layer the encoder keys and values
+    (B, h, S, d) of each live sentence with their mask (B, 1, 1, S), and the self-attention
+    caches self_k (layers, N, h, capacity, d_k) and self_v for the N rows, filled up to `length`.
+    `sentences` is None while the rows are grouped by sentence in memory order, r rows each
+    (N = B·r, beam search's layout); otherwise the (N,) sentence of every row."""
+
+    def __init__(self, memory_k: list[Tensor], memory_v: list[Tensor], memory_mask: Tensor,
+                 capacity: int) -> None:
+        self.memory_k, self.memory_v, self.memory_mask = memory_k, memory_v, memory_mask
+        self.capacity = capacity
+        self.self_k: Tensor | None = None
+        self.self_v: Tensor | None = None
+        self.sentences: Tensor | None = None
+        self.length = 0
+
+    @property
+    def num_sentences(self) -> int:
+        return self.memory_mask.shape[0]
+
+    def allocate(self, rows: int, cfg: TransformerConfig, like: Tensor) -> None:
+        """Creates the caches for the first call: `rows` rows split evenly over the sentences."""
+        if rows % self.num_sentences:
+            raise ValueError(f"the first decode_step needs a multiple of the {self.num_sentences} "
+                             f"sentences as rows, got {rows}")
+        dtype = self.memory_k[0].dtype if self.memory_k else like.dtype
+        shape = (cfg.decoder_layers, rows, cfg.heads, self.capacity)
+        self.self_k = like.new_empty((*shape, cfg.key_dim), dtype=dtype)
+        self.self_v = like.new_empty((*shape, cfg.value_dim), dtype=dtype)
+
+    def ensure_capacity(self, length: int) -> None:
+        if length <= self.capacity:
+            return
+        self.capacity = max(length, 2 * self.capacity)
+        self.self_k, self.self_v = (_resized(c, self.capacity, self.length)
+                                    for c in (self.self_k, self.self_v))
+
+    @torch.inference_mode()
+    def reorder(self, rows: Tensor) -> None:
+        """rows (N',) LongTensor: new row j continues the current row rows[j]. Copies the
+        caches' filled part once; drops the encoder memory of sentences left without rows."""
+        if self.self_k is None:
+            raise RuntimeError("reorder before the first decode_step: there are no rows yet")
+        rows = rows.to(self.self_k.device)
+        self.self_k, self.self_v = (_take_rows(c, rows, self.length)
+                                    for c in (self.self_k, self.self_v))
+        n_before = self.self_k.shape[1] if self.sentences is None else len(self.sentences)
+        sentences = self._sentence_of_rows(n_before).index_select(0, rows)
+        live, sentences = torch.unique(sentences, return_inverse=True)
+        if len(live) < self.num_sentences:  # finished sentences leave the batch
+            self.memory_k = [k.index_select(0, live) for k in self.memory_k]
+            self.memory_v = [v.index_select(0, live) for v in self.memory_v]
+            self.memory_mask = self.memory_mask.index_select(0, live)
+        per_sentence = len(rows) // len(live)
+        grouped = torch.arange(len(live), device=rows.device).repeat_interleave(per_sentence)
+        is_grouped = len(grouped) == len(rows) and torch.equal(grouped, sentences)
+        self.sentences = None if is_grouped else sentences
+
+    def _sentence_of_rows(self, n: int) -> Tensor:
+        if self.sentences is not None:
+            return self.sentences
+        per_sentence = n // self.num_sentences
+        device = self.memory_mask.device
+        return torch.arange(self.num_sentences, device=device).repeat_interleave(per_sentence)
+
+
+def _take_rows(cache: Tensor, rows: Tensor, length: int) -> Tensor:
+    """cache (layers, N, h, capacity, d) -> (layers, N', h, capacity, d) with row j = old row
+    rows[j]; only the first `length` positions are copied."""
+    out = cache.new_empty((cache.shape[0], len(rows), *cache.shape[2:]))
+    torch.index_select(cache[:, :, :, :length], 1, rows, out=out[:, :, :, :length])
+    return out
+
+
+def _resized(cache: Tensor, capacity: int, length: int) -> Tensor:
+    out = cache.new_empty((*cache.shape[:3], capacity, cache.shape[4]))
+    out[:, :, :, :length] = cache[:, :, :, :length]
+    return out
+
+
+def _check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
+    if tokens.dim() != 2 or tokens.dtype != torch.long:
+        raise ValueError(f"{name} must be a (batch, length) LongTensor of token ids, got "
+                         f"{tuple(tokens.shape)} {tokens.dtype}")
+    if tokens.shape[1] == 0:
+        raise ValueError(f"{name} is empty: sequences need at least one token")
