@@ -231,7 +231,7 @@ class CrossAttention(nn.Module):
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
-        """x (B, T, d_model), memory (B, S, d_model), memory_mask (B, 1, 1, S) -> (B, T, d_model)."""
+        """x (B, T, d_model), memory (B, S, d_model), mask (B, 1, 1, S) -> (B, T, d_model)."""
         k, v = self.memory_kv(memory)
         dropout_p = self.dropout if self.training else 0.0
         q = split_heads(self.q(x), self.heads)
@@ -439,6 +439,8 @@ class Transformer(nn.Module):
         maximum output length); the caches grow when a longer output needs it. Decoding is
         inference: no dropout, no gradients.
         """
+        if self.training:
+            raise RuntimeError("decoding is inference: call model.eval() first")
         memory, mask = self.encode(src)
         memory_kv = [layer.cross_attention.memory_kv(memory) for layer in self.decoder.layers]
         return DecodingState(
@@ -512,10 +514,9 @@ class DecodingState:
         if self.self_k is None:
             raise RuntimeError("reorder before the first decode_step: there are no rows yet")
         rows = rows.to(self.self_k.device)
+        sentences = self._sentence_of_rows().index_select(0, rows)
         self.self_k, self.self_v = (_take_rows(c, rows, self.length)
                                     for c in (self.self_k, self.self_v))
-        n_before = self.self_k.shape[1] if self.sentences is None else len(self.sentences)
-        sentences = self._sentence_of_rows(n_before).index_select(0, rows)
         live, sentences = torch.unique(sentences, return_inverse=True)
         if len(live) < self.num_sentences:  # finished sentences leave the batch
             self.memory_k = [k.index_select(0, live) for k in self.memory_k]
@@ -526,10 +527,10 @@ class DecodingState:
         is_grouped = len(grouped) == len(rows) and torch.equal(grouped, sentences)
         self.sentences = None if is_grouped else sentences
 
-    def _sentence_of_rows(self, n: int) -> Tensor:
+    def _sentence_of_rows(self) -> Tensor:
         if self.sentences is not None:
             return self.sentences
-        per_sentence = n // self.num_sentences
+        per_sentence = self.self_k.shape[1] // self.num_sentences
         device = self.memory_mask.device
         return torch.arange(self.num_sentences, device=device).repeat_interleave(per_sentence)
 

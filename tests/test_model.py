@@ -1,0 +1,277 @@
+"""fastattn.model: the paper's Transformer. Causality, padding, cached decoding equal to the
+teacher-forced forward (through reorders, beam expansion and finished sentences leaving), the
+fused loss, and parameter counts against Table 3."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
+
+V, PAD = 23, 0
+TINY = TransformerConfig(vocab_size=V, encoder_layers=2, decoder_layers=2, d_model=16, d_ff=24,
+                         heads=2, dropout=0.1, pad_id=PAD)
+VARIANTS = {
+    "paper": TINY,
+    "pre_norm": replace(TINY, pre_norm=True),
+    "learned_positions": replace(TINY, positions="learned", max_len=16),
+    "d_k_ne_d_v": replace(TINY, d_k=4, d_v=6, decoder_layers=3),
+}
+TOL = {"atol": 2e-5, "rtol": 1e-4}
+
+
+def make_model(cfg=TINY, seed=0):
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():  # non-trivial LayerNorm parameters and biases
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def tokens(*shape, seed=1):
+    return torch.randint(1, V, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def pad_after(x, lengths):
+    """Pads row i of x after lengths[i] tokens."""
+    x = x.clone()
+    for i, n in enumerate(lengths):
+        x[i, n:] = PAD
+    return x
+
+
+@pytest.mark.parametrize("cfg", VARIANTS.values(), ids=VARIANTS.keys())
+def test_decoder_is_causal(cfg):
+    model = make_model(cfg)
+    src, tgt = pad_after(tokens(2, 7), [7, 4]), tokens(2, 6, seed=2)
+    logits = model(src, tgt)
+    for j in range(tgt.shape[1]):
+        changed = tgt.clone()
+        changed[:, j:] = tokens(2, 6 - j, seed=3 + j)
+        other = model(src, changed)
+        torch.testing.assert_close(other[:, :j], logits[:, :j], **TOL)
+        assert not torch.allclose(other[:, j:], logits[:, j:])  # the change itself is seen
+
+
+@pytest.mark.parametrize("cfg", VARIANTS.values(), ids=VARIANTS.keys())
+def test_padding_changes_nothing(cfg):
+    """A sentence gives the same logits alone, in a batch, and with extra padding."""
+    model = make_model(cfg)
+    src = pad_after(tokens(3, 6), [6, 3, 5])
+    tgt = pad_after(tokens(3, 5, seed=2), [5, 2, 4])
+    logits = model(src, tgt)
+    longer = model(F.pad(src, (0, 3), value=PAD), F.pad(tgt, (0, 2), value=PAD))
+    for i, (s, t) in enumerate([(6, 5), (3, 2), (5, 4)]):
+        alone = model(src[i : i + 1, :s], tgt[i : i + 1, :t])[0]
+        torch.testing.assert_close(logits[i, :t], alone, **TOL)
+        torch.testing.assert_close(longer[i, :t], alone, **TOL)
+
+
+def reference_logprobs(model, src, prefixes):
+    """Teacher-forced log-probabilities of the next token after each prefix (rows x (t,))."""
+    return model(src, prefixes)[:, -1].log_softmax(-1)
+
+
+@pytest.mark.parametrize("cfg", VARIANTS.values(), ids=VARIANTS.keys())
+def test_cached_decoding_equals_teacher_forcing(cfg):
+    model = make_model(cfg)
+    src = pad_after(tokens(3, 6), [6, 2, 4])
+    tgt = tokens(3, 7, seed=2)
+    expected = model(src, tgt).log_softmax(-1)
+    state = model.start_decoding(src, capacity=3)  # grows twice on the way
+    steps = [model.decode_step(tgt[:, t], state) for t in range(tgt.shape[1])]
+    torch.testing.assert_close(torch.stack(steps, dim=1), expected, **TOL)
+    assert state.length == 7 and state.capacity >= 7
+
+
+@pytest.mark.parametrize("cfg", VARIANTS.values(), ids=VARIANTS.keys())
+def test_cached_decoding_follows_beam_search_reorders(cfg):
+    """Rows are expanded, shuffled, duplicated and dropped, and sentences finish and leave, as
+    in beam search; every step equals the teacher-forced forward of the row's prefix."""
+    model = make_model(cfg)
+    src = pad_after(tokens(3, 6), [6, 2, 4])
+    beam = 2
+    g = torch.Generator().manual_seed(7)
+    state = model.start_decoding(src)
+    sentence = torch.arange(3).repeat_interleave(beam)  # first call: 2 rows per sentence
+    prefixes = torch.ones(6, 1, dtype=torch.long)
+    reorders = [
+        None,
+        torch.tensor([1, 1, 2, 3, 5, 4]),  # grouped, rows duplicated within a sentence
+        torch.tensor([2, 3, 4, 5]),  # sentence 0 finished
+        torch.tensor([3, 2, 0, 1]),  # sentences out of memory order
+        torch.tensor([0, 2, 2, 1, 3]),  # uneven rows per sentence
+        torch.tensor([2, 1]),  # one row of each
+        torch.tensor([0, 0, 0]),  # back to one sentence, three rows
+    ]
+    for rows in reorders:
+        if rows is not None:
+            state.reorder(rows)
+            sentence, prefixes = sentence[rows], prefixes[rows]
+        logprobs = model.decode_step(prefixes[:, -1], state)
+        torch.testing.assert_close(logprobs, reference_logprobs(model, src[sentence], prefixes),
+                                   **TOL)
+        step_tokens = torch.randint(1, V, (len(prefixes), 1), generator=g)
+        prefixes = torch.cat([prefixes, step_tokens], dim=1)
+    assert state.num_sentences == 1  # finished sentences' encoder memory was dropped
+
+
+def test_decoding_one_row_per_sentence_then_beams():
+    """The search may start with one row per sentence and expand to the beam on reorder."""
+    model = make_model()
+    src = pad_after(tokens(2, 5), [5, 3])
+    state = model.start_decoding(src)
+    bos = torch.ones(2, dtype=torch.long)
+    model.decode_step(bos, state)
+    state.reorder(torch.tensor([0, 0, 0, 1, 1, 1]))
+    assert state.sentences is None  # grouped: cross-attention reads memory without copies
+    next_tokens = tokens(6, 1, seed=4)
+    logprobs = model.decode_step(next_tokens[:, 0], state)
+    prefixes = torch.cat([torch.ones(6, 1, dtype=torch.long), next_tokens], dim=1)
+    expected = reference_logprobs(model, src.repeat_interleave(3, dim=0), prefixes)
+    torch.testing.assert_close(logprobs, expected, **TOL)
+
+
+def test_decoding_errors_are_clear():
+    model = make_model()
+    src = tokens(2, 5)
+    state = model.start_decoding(src)
+    with pytest.raises(RuntimeError, match="before the first decode_step"):
+        state.reorder(torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="multiple of the 2 sentences"):
+        model.decode_step(torch.ones(3, dtype=torch.long), state)
+    model.decode_step(torch.ones(4, dtype=torch.long), state)
+    with pytest.raises(ValueError, match="reorder"):
+        model.decode_step(torch.ones(3, dtype=torch.long), state)
+    with pytest.raises(RuntimeError, match="eval"):
+        model.train().start_decoding(src)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_loss_equals_label_smoothed_cross_entropy_of_logits(reduction):
+    cfg = replace(TINY, dropout=0.0, label_smoothing=0.1)
+    model = make_model(cfg).double()
+    src = pad_after(tokens(3, 6), [6, 3, 5])
+    tgt = pad_after(tokens(3, 6, seed=2), [6, 2, 4])
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+    loss = model.loss(src, tgt_in, tgt_out, reduction=reduction)
+    logits = model(src, tgt_in)
+    expected = F.cross_entropy(logits.transpose(1, 2), tgt_out, ignore_index=PAD,
+                               label_smoothing=0.1, reduction=reduction)
+    torch.testing.assert_close(loss, expected.to(loss.dtype), atol=1e-5, rtol=1e-5)
+    params = [p for p in model.parameters()]
+    grads = torch.autograd.grad(loss * 1.7, params)
+    expected_grads = torch.autograd.grad(expected * 1.7, params)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e.to(g.dtype), atol=1e-5, rtol=1e-4)
+
+
+def test_dropout_only_in_training():
+    model = make_model()
+    src, tgt = tokens(2, 5), tokens(2, 4, seed=2)
+    model.train()
+    assert not torch.allclose(model(src, tgt), model(src, tgt))
+    model.eval()
+    torch.testing.assert_close(model(src, tgt), model(src, tgt), atol=0, rtol=0)
+
+
+def test_tied_embedding_scaled_by_sqrt_d_model():
+    model = make_model(replace(TINY, dropout=0.0))
+    ids = tokens(1, 4)
+    expected = model.embedding.weight[ids[0]] * 16**0.5 + sinusoids(4, 16)
+    torch.testing.assert_close(model.embedding(ids)[0], expected)
+    logits = model(ids, ids)
+    hidden = model.decode(ids, *model.encode(ids))
+    torch.testing.assert_close(logits, hidden @ model.embedding.weight.T)
+    assert sum("embedding" in n for n, _ in model.named_parameters()) == 1
+
+
+def test_sinusoids_match_the_formula_and_extrapolate():
+    table = sinusoids(50, 8)
+    pos, i = 37, 3
+    assert table[pos, 2 * i].item() == pytest.approx(torch.sin(torch.tensor(pos / 1e4 ** (6 / 8),
+                                                                  dtype=torch.float64)).item())
+    assert table[pos, 2 * i + 1].item() == pytest.approx(
+        torch.cos(torch.tensor(pos / 1e4 ** (6 / 8), dtype=torch.float64)).item())
+    model = make_model(replace(TINY, max_len=4))
+    torch.testing.assert_close(model.embedding.positions(2, 5), sinusoids(7, 16)[2:])
+
+
+# Table 3 "params ×10^6" and ours with a 37,000-token shared vocabulary (the paper gives ~37k).
+# Ours sit a near-constant ~2M below the paper (its exact vocabulary size is not stated).
+TABLE3_PARAMS = {
+    "base": (65, 63_082_496),
+    "big": (213, 214_245_376),
+    "table3-B1": (58, 55_990_784),
+    "table3-B2": (60, 58_354_688),
+    "table3-C1": (36, 33_656_832),
+    "table3-C2": (50, 48_369_664),
+    "table3-C3": (80, 77_795_328),
+    "table3-C4": (28, 26_834_944),
+    "table3-C5": (168, 163_889_152),
+    "table3-C6": (53, 50_487_296),
+    "table3-C7": (90, 88_272_896),
+}
+
+
+@pytest.mark.parametrize("name", TABLE3_PARAMS)
+def test_parameter_counts_match_table3(name):
+    paper, ours = TABLE3_PARAMS[name]
+    with torch.device("meta"):  # counts without allocating
+        model = Transformer(replace(PRESETS[name], vocab_size=37000))
+    assert model.num_parameters() == ours
+    tolerance = 0.05 if name in ("base", "big") else 0.07  # the issue's 5% for base and big
+    assert abs(ours / 1e6 - paper) / paper < tolerance
+
+
+def test_presets_are_the_papers_rows():
+    rows = {  # (N, d_model, d_ff, h, d_k, d_v, P_drop, ε_ls, positions) from Tables 3
+        "base": (6, 512, 2048, 8, 64, 64, 0.1, 0.1, "sinusoidal"),
+        "big": (6, 1024, 4096, 16, 64, 64, 0.3, 0.1, "sinusoidal"),
+        "table3-A1": (6, 512, 2048, 1, 512, 512, 0.1, 0.1, "sinusoidal"),
+        "table3-A2": (6, 512, 2048, 4, 128, 128, 0.1, 0.1, "sinusoidal"),
+        "table3-A3": (6, 512, 2048, 16, 32, 32, 0.1, 0.1, "sinusoidal"),
+        "table3-A4": (6, 512, 2048, 32, 16, 16, 0.1, 0.1, "sinusoidal"),
+        "table3-B1": (6, 512, 2048, 8, 16, 64, 0.1, 0.1, "sinusoidal"),
+        "table3-B2": (6, 512, 2048, 8, 32, 64, 0.1, 0.1, "sinusoidal"),
+        "table3-C1": (2, 512, 2048, 8, 64, 64, 0.1, 0.1, "sinusoidal"),
+        "table3-C2": (4, 512, 2048, 8, 64, 64, 0.1, 0.1, "sinusoidal"),
+        "table3-C3": (8, 512, 2048, 8, 64, 64, 0.1, 0.1, "sinusoidal"),
+        "table3-C4": (6, 256, 2048, 8, 32, 32, 0.1, 0.1, "sinusoidal"),
+        "table3-C5": (6, 1024, 2048, 8, 128, 128, 0.1, 0.1, "sinusoidal"),
+        "table3-C6": (6, 512, 1024, 8, 64, 64, 0.1, 0.1, "sinusoidal"),
+        "table3-C7": (6, 512, 4096, 8, 64, 64, 0.1, 0.1, "sinusoidal"),
+        "table3-D1": (6, 512, 2048, 8, 64, 64, 0.0, 0.1, "sinusoidal"),
+        "table3-D2": (6, 512, 2048, 8, 64, 64, 0.2, 0.1, "sinusoidal"),
+        "table3-D3": (6, 512, 2048, 8, 64, 64, 0.1, 0.0, "sinusoidal"),
+        "table3-D4": (6, 512, 2048, 8, 64, 64, 0.1, 0.2, "sinusoidal"),
+        "table3-E": (6, 512, 2048, 8, 64, 64, 0.1, 0.1, "learned"),
+    }
+    for name, row in rows.items():
+        c = PRESETS[name]
+        assert c.encoder_layers == c.decoder_layers and not c.pre_norm, name
+        got = (c.encoder_layers, c.d_model, c.d_ff, c.heads, c.key_dim, c.value_dim, c.dropout,
+               c.label_smoothing, c.positions)
+        assert got == row, name
+
+
+def test_bad_configuration_and_inputs_raise_clear_errors():
+    with pytest.raises(ValueError, match="not divisible by heads"):
+        TransformerConfig(d_model=100, heads=3)
+    with pytest.raises(ValueError, match="positions"):
+        TransformerConfig(positions="rotary")
+    with pytest.raises(ValueError, match="pad_id"):
+        TransformerConfig(vocab_size=10, pad_id=10)
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        Transformer.from_preset("huge")
+    model = make_model()
+    with pytest.raises(ValueError, match="LongTensor"):
+        model(torch.ones(2, 3), tokens(2, 3))
+    with pytest.raises(ValueError, match="same shape"):
+        model.loss(tokens(2, 3), tokens(2, 3), tokens(2, 4))
+    with pytest.raises(ValueError, match="learned positions"):
+        make_model(replace(TINY, positions="learned", max_len=4))(tokens(1, 5), tokens(1, 2))
