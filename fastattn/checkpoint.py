@@ -1,0 +1,134 @@
+"""Checkpoints: atomic saves, verified loads, the last K kept, and averaging (Vaswani et al., 2017,
+section 6.1: the base model averages the last 5 checkpoints, the big model the last 20).
+
+A checkpoint file is a header line `fastattn-checkpoint <sha256 of the payload> <payload bytes>`
+followed by the payload, a torch.save of a dict of plain types and tensors:
+  model    the model's state_dict          config   the TransformerConfig as a dict
+  spm      the SentencePiece model proto   meta     step, languages, scores, training arguments
+  train    what an exact resume needs (optimiser, loss scaler, data position, RNG states);
+           averaged checkpoints have none.
+Loading checks the header, the length and the checksum before unpickling anything (and unpickles
+with weights_only=True), so a corrupt or truncated file is reported, never loaded silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+MAGIC = b"fastattn-checkpoint"
+NAME = re.compile(r"checkpoint_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used; the message names the file and the problem."""
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Writes state to path atomically: a temporary file in the same directory, fsync, rename.
+
+    Refuses a model with NaN or inf parameters, so no checkpoint ever holds one."""
+    path = Path(path)
+    for name, tensor in state["model"].items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(f"{path}: not saved, parameter {name} has NaN or inf values")
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    header = b"%s %s %d\n" % (MAGIC, hashlib.sha256(payload).hexdigest().encode(), len(payload))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header)
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Reads a checkpoint written by save_checkpoint, after verifying it is whole."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint")
+    raw = path.read_bytes()
+    header, _, payload = raw.partition(b"\n")
+    fields = header.split(b" ")
+    if len(fields) != 3 or fields[0] != MAGIC or not fields[2].isdigit():
+        raise CheckpointError(f"{path}: not a fastattn checkpoint (bad header)")
+    digest, size = fields[1].decode(errors="replace"), int(fields[2])
+    if len(payload) != size:
+        raise CheckpointError(
+            f"{path}: truncated or corrupt, {len(payload)} payload bytes instead of {size}"
+        )
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise CheckpointError(f"{path}: corrupt, the checksum does not match its contents")
+    return torch.load(io.BytesIO(payload), map_location=map_location, weights_only=True)
+
+
+def list_checkpoints(directory: str | Path) -> list[Path]:
+    """The numbered checkpoints (checkpoint_<step>.pt) in a directory, oldest step first."""
+    found = [(int(m.group(1)), p) for p in Path(directory).glob("checkpoint_*.pt")
+             if (m := NAME.search(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_numbered(directory: str | Path, state: dict[str, Any], step: int, keep: int) -> Path:
+    """Saves checkpoint_<step>.pt and deletes all but the newest `keep` numbered checkpoints."""
+    path = Path(directory) / f"checkpoint_{step:08d}.pt"
+    save_checkpoint(path, state)
+    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """The element-wise mean of the models' parameters (accumulated in fp64), with config, spm
+    and meta of the last checkpoint and no training state."""
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    total: dict[str, torch.Tensor] = {}
+    last: dict[str, Any] = {}
+    for path in paths:
+        last = load_checkpoint(path)
+        if total and last["model"].keys() != total.keys():
+            raise CheckpointError(f"{path}: its parameters differ from {paths[0]}'s")
+        for name, tensor in last["model"].items():
+            if tensor.is_floating_point():
+                total[name] = total.get(name, 0) + tensor.double()
+            else:
+                total[name] = tensor  # integer buffers are not averaged
+    model = {
+        name: (total[name] / len(paths)).to(t.dtype) if t.is_floating_point() else t
+        for name, t in last["model"].items()
+    }
+    meta = {**last["meta"], "averaged": [str(p) for p in paths]}
+    return {"model": model, "config": last["config"], "spm": last["spm"], "meta": meta}
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """(model in eval mode, SentencePiece processor, meta) from a checkpoint."""
+    from fastattn.data import load_sentencepiece
+    from fastattn.model import Transformer, TransformerConfig
+
+    state = load_checkpoint(path)
+    model = Transformer(TransformerConfig(**state["config"]))
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), load_sentencepiece(state["spm"]), state["meta"]

@@ -1,0 +1,736 @@
+"""python -m fastattn.train: the paper's training recipe (Vaswani et al., 2017, section 5), end to
+end, on one CPU or on many GPUs with torchrun.
+
+With no arguments it trains the default CPU preset on the embedded Multi30k en->de and ends by
+printing test BLEU and the checkpoint path. Scale out with
+`torchrun --nproc_per_node N -m fastattn.train ...` (DistributedDataParallel: NCCL on GPUs, gloo
+on CPUs; each rank reads its own shard of the batches, rank 0 logs and saves).
+
+One update: `--update-freq` micro-batches per rank, each about `--max-tokens` source + target
+tokens; the label-smoothed loss is summed over target tokens and divided by the number of target
+tokens of the whole update over all ranks, so an update is the same whatever the world size and
+accumulation that make it up. Then the NaN/inf guard, optional clipping, Adam, and the schedule
+lr = lr_scale · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fastattn import checkpoint, data, evaluate
+from fastattn.model import PRESETS, Transformer
+
+MODEL_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "dropout")
+
+# Paper values where the defaults differ, shown by --help.
+PAPER = {
+    "preset": "base",
+    "vocab_size": "37000 (shared BPE, WMT en-de)",
+    "max_tokens": "25000 per GPU, 8 GPUs",
+    "warmup": "4000",
+    "lr_scale": "1.0",
+    "max_updates": "100000 (base), 300000 (big)",
+    "average_last": "5 (base), 20 (big)",
+    "precision": "fp32 (P100 GPUs)",
+}
+
+
+# --- the optimisation step ---------------------------------------------------------------------
+
+
+def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
+    """The paper's schedule (eq. 3): linear warmup, then decay with the inverse square root."""
+    step = max(step, 1)
+    return scale * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    """Label-smoothed loss per target token of the whole update (all ranks)."""
+    tokens: int
+    """Target tokens in the update (all ranks)."""
+    grad_norm: float
+    ok: bool
+    """False if the gradients had NaN/inf and the update was skipped."""
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[tuple[torch.Tensor, ...]],
+    *,
+    autocast_dtype: torch.dtype | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    clip_norm: float = 0.0,
+) -> StepResult:
+    """One update from this rank's micro-batches; `model` maps a batch (source, decoder input,
+    decoder target) to its summed label-smoothed loss (LossModule, maybe inside DDP). Under DDP
+    the gradients are averaged over ranks; the loss is scaled so that the result is the gradient
+    of the loss summed over every rank's batches divided by their total target tokens."""
+    device = next(model.parameters()).device
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if distributed else 1
+    local_tokens = sum(int((b[2] != data.PAD_ID).sum()) for b in batches)
+    counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=device)
+    if distributed:
+        dist.all_reduce(counts)
+    total_tokens = int(counts.item())
+    normaliser = total_tokens / world  # DDP averages over ranks: undo that with the world size
+
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for i, batch in enumerate(batches):
+        batch = tuple(t.to(device, non_blocking=True) for t in batch)
+        last = i == len(batches) - 1
+        sync = model.no_sync() if distributed and not last else contextlib.nullcontext()
+        with sync:
+            with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
+                loss = model(*batch)
+            scaled = loss / normaliser
+            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+        loss_sum += loss.detach().double()
+
+    if distributed:
+        dist.all_reduce(loss_sum)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = float(
+        torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else math.inf)
+    )
+    ok = math.isfinite(grad_norm) and math.isfinite(float(loss_sum))
+    if scaler is not None:
+        scaler.step(optimizer)  # skips the update itself when it found inf/NaN gradients
+        scaler.update()  # and lowers the loss scale
+    elif ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(float(loss_sum) / max(total_tokens, 1), total_tokens, grad_norm, ok)
+
+
+# --- arguments ---------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastattn.train",
+        description="Train a Transformer (Vaswani et al., 2017). Defaults: the tuned CPU recipe on "
+        "the embedded Multi30k en->de; [paper: ...] gives the paper's value where it differs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    add = _adder(parser)
+    g = parser.add_argument_group("data")
+    add(g, "--data", default="multi30k", help="an embedded corpus by name (multi30k), or 'files' "
+        "to use --train/--valid/--test")
+    add(g, "--src", default="en", help="source language")
+    add(g, "--tgt", default="de", help="target language")
+    add(g, "--train", nargs=2, metavar=("SRC", "TGT"), help="training text pair (plain or .gz)")
+    add(g, "--valid", nargs=2, metavar=("SRC", "TGT"), help="development text pair")
+    add(g, "--test", nargs=2, metavar=("SRC", "TGT"), help="test text pair (optional)")
+    add(g, "--vocab-size", type=int, default=8000, help="joint SentencePiece BPE vocabulary")
+    add(g, "--max-len", type=int, default=256, help="drop training pairs with a longer side")
+    add(g, "--max-len-ratio", type=float, default=3.0,
+        help="drop training pairs whose longer side is this many times the shorter")
+    add(g, "--max-tokens", type=int, default=6000,
+        help="source + target tokens (padding included) per micro-batch per rank")
+    add(g, "--seed", type=int, default=1)
+
+    g = parser.add_argument_group("model")
+    add(g, "--preset", default="multi30k", choices=sorted(PRESETS), help="model preset")
+    add(g, "--encoder-layers", type=int, help="N of the encoder (default: the preset's)")
+    add(g, "--decoder-layers", type=int, help="N of the decoder (default: the preset's)")
+    add(g, "--d-model", type=int, help="model width (default: the preset's)")
+    add(g, "--d-ff", type=int, help="feed-forward width (default: the preset's)")
+    add(g, "--heads", type=int, help="attention heads (default: the preset's)")
+    add(g, "--dropout", type=float,
+        help="P_drop on sub-layers and embeddings (default: the preset's; paper: 0.1 base, "
+        "0.3 big)")
+
+    g = parser.add_argument_group("optimisation")
+    add(g, "--lr-scale", type=float, default=3.0, help="multiplies the paper's schedule")
+    add(g, "--warmup", type=int, default=1000, help="warmup updates of the schedule")
+    add(g, "--adam-betas", type=float, nargs=2, default=(0.9, 0.98))
+    add(g, "--adam-eps", type=float, default=1e-9)
+    add(g, "--label-smoothing", type=float, default=0.1)
+    add(g, "--update-freq", type=int, default=1,
+        help="micro-batches accumulated per update (8 GPUs × 25k tokens = --update-freq 8 with "
+        "--max-tokens 25000 on one GPU)")
+    add(g, "--clip-norm", type=float, default=0.0, help="clip the gradient norm (0: off)")
+    add(g, "--max-updates", type=int, default=6000, help="stop after this many updates")
+    add(g, "--max-epochs", type=int, default=0, help="stop after this many epochs (0: no limit)")
+    add(g, "--max-bad-steps", type=int, default=10,
+        help="stop after this many consecutive updates with NaN/inf gradients")
+    add(g, "--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+        help="auto: bf16 autocast on CPU and on GPUs that support it, else fp16 with dynamic "
+        "loss scaling")
+    add(g, "--threads", type=int, default=0, help="CPU threads per process (0: torch's choice)")
+    add(g, "--device", default="auto", help="auto, cpu or cuda")
+
+    g = parser.add_argument_group("checkpoints")
+    add(g, "--save-dir", default="checkpoints/{data}-{src}-{tgt}",
+        help="checkpoint directory ({data}, {src}, {tgt} are filled in)")
+    add(g, "--save-every", type=int, default=250, help="save every N updates (0: off)")
+    add(g, "--save-every-minutes", type=float, default=0.0, help="also save every M minutes")
+    add(g, "--keep", type=int, default=10, help="numbered checkpoints to keep")
+    add(g, "--resume", action="store_true", help="continue from the newest checkpoint in "
+        "--save-dir exactly where it stopped")
+    add(g, "--average-last", type=int, default=10,
+        help="average the last k checkpoints for the final model (1: no averaging)")
+
+    g = parser.add_argument_group("evaluation")
+    add(g, "--eval-every", type=int, default=1000,
+        help="dev loss and greedy dev BLEU every N updates (0: only at the end)")
+    add(g, "--beam", type=int, default=4, help="test beam size")
+    add(g, "--alpha", type=float, default=0.6, help="length penalty ((5+|Y|)/6)^alpha")
+    add(g, "--max-len-b", type=int, default=50, help="hypotheses get source length + this")
+    add(g, "--eval-batch-size", type=int, default=128, help="sentences per decoding batch")
+
+    g = parser.add_argument_group("logging")
+    add(g, "--log-every", type=int, default=50, help="metrics log interval in updates")
+    add(g, "--metrics", help="JSON-lines metrics file (default: SAVE_DIR/metrics.jsonl)")
+    add(g, "--plot", metavar="PNG", help="write the training curves here (needs matplotlib)")
+    add(g, "--no-progress", action="store_true", help="no progress bar")
+
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    args.save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
+    args.metrics = args.metrics or str(Path(args.save_dir) / "metrics.jsonl")
+    return args
+
+
+def _adder(parser: argparse.ArgumentParser):
+    """add_argument that appends [paper: ...] to the help of options whose default differs."""
+
+    def add(group, flag: str, **kwargs):
+        paper = PAPER.get(flag.lstrip("-").replace("-", "_"))
+        if paper is not None:
+            kwargs["help"] = f"{kwargs.get('help', '')} [paper: {paper}]".strip()
+        return group.add_argument(flag, **kwargs)
+
+    return add
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.data == "files":
+        if not args.train or not args.valid:
+            parser.error("--data files needs --train SRC TGT and --valid SRC TGT")
+    elif args.data != "multi30k":
+        parser.error(f"--data must be 'multi30k' or 'files', not {args.data!r}")
+    elif args.src not in data.MULTI30K_LANGS or args.tgt not in data.MULTI30K_LANGS:
+        parser.error(f"multi30k languages are {', '.join(data.MULTI30K_LANGS)}")
+    if args.src == args.tgt:
+        parser.error("--src and --tgt must differ")
+    positive = ["vocab_size", "max_len", "max_tokens", "warmup", "update_freq", "max_updates",
+                "beam", "eval_batch_size", "log_every", "average_last", "max_bad_steps", "keep"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ["save_every", "eval_every", "max_epochs", "threads", "clip_norm",
+                 "save_every_minutes", "label_smoothing", "max_len_b"]:
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative")
+    if args.dropout is not None and not 0 <= args.dropout < 1:
+        parser.error("--dropout must be in [0, 1)")
+    if not 0 <= args.label_smoothing < 1:
+        parser.error("--label-smoothing must be in [0, 1)")
+    for name in MODEL_FLAGS[:-1]:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.lr_scale <= 0:
+        parser.error("--lr-scale must be positive")
+    if args.keep < args.average_last:
+        parser.error(f"--keep {args.keep} must be at least --average-last {args.average_last}")
+
+
+# --- setup -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Split:
+    """A split of the corpus as ids, with its text for BLEU."""
+
+    text: data.ParallelText
+    src_ids: list[list[int]]
+    tgt_ids: list[list[int]]
+    tokenized_refs: list[str] | None = None
+    """Official tokenized references (Multi30k tok/), when the corpus has them."""
+
+
+def load_text(args: argparse.Namespace) -> dict[str, tuple[data.ParallelText, list[str] | None]]:
+    """The training, dev and (if any) test text, with tokenized references where they exist."""
+    if args.data == "multi30k":
+        splits = {"train": "train", "valid": "val", "test": "test2016"}
+        return {
+            name: (
+                data.load_multi30k(split, args.src, args.tgt),
+                None if name == "train" else
+                data.read_lines(data.multi30k_path(split, args.tgt, tokenized=True)),
+            )
+            for name, split in splits.items()
+        }
+    text = {"train": (data.read_parallel(*args.train), None),
+            "valid": (data.read_parallel(*args.valid), None)}
+    if args.test:
+        text["test"] = (data.read_parallel(*args.test), None)
+    return text
+
+
+def encode_split(sp, text: data.ParallelText, refs: list[str] | None) -> Split:
+    return Split(text, data.encode(sp, text.src), data.encode(sp, text.tgt), refs)
+
+
+def pick_precision(name: str, device: torch.device) -> tuple[torch.dtype | None, bool]:
+    """(autocast dtype or None, whether to scale the loss) for --precision on a device."""
+    if name == "auto":
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            name = "fp16"
+        else:
+            name = "bf16"
+    if name == "fp16" and device.type != "cuda":
+        raise SystemExit("error: --precision fp16 needs a GPU; use bf16 or fp32 on CPU")
+    dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return dtypes[name], name == "fp16"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class LossModule(torch.nn.Module):
+    """model.loss as a forward(), so that DistributedDataParallel can wrap it."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, source: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor):
+        return self.model.loss(source, inputs, targets, reduction="sum")
+
+
+# --- decoding and BLEU -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def translate(
+    model: Transformer,
+    sp,
+    src_ids: Sequence[list[int]],
+    *,
+    beam: int,
+    alpha: float,
+    max_len_b: int,
+    batch_size: int,
+) -> list[str]:
+    """Detokenized translations of encoded sentences (source length + max_len_b tokens at most),
+    decoded in batches of similar length; beam 1 is greedy search."""
+    from fastattn.search import beam_search, greedy_search
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
+    out: list[str] = [""] * len(src_ids)
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        source, _, _ = data.collate(src_ids, src_ids, rows)
+        source = source.to(device)
+        lengths = (source != data.PAD_ID).sum(1)
+        state = model.start_decoding(source)
+
+        def step_fn(tokens, reorder, state=state):
+            if reorder is not None:
+                state.reorder(reorder)
+            return model.decode_step(tokens[:, -1], state)
+
+        common = dict(bos_id=data.BOS_ID, eos_id=data.EOS_ID, max_len=lengths + max_len_b,
+                      device=device)
+        if beam == 1:
+            results = greedy_search(step_fn, len(rows), **common)
+        else:
+            results = beam_search(step_fn, len(rows), beam_size=beam, alpha=alpha, **common)
+        for i, hyps in zip(rows, results, strict=True):
+            best = hyps[0] if isinstance(hyps, list) else hyps
+            out[i] = sp.decode([t for t in best.tokens if t != data.EOS_ID])
+    model.train(was_training)
+    return out
+
+
+def bleu_scores(hypotheses: list[str], split: Split, tgt_lang: str) -> dict[str, Any]:
+    """Detokenized sacreBLEU with signature, and tokenized BLEU: against the official tokenized
+    references where the corpus has them (Multi30k), else Moses-tokenized references with the
+    paper's compound splitting."""
+    bleu, signature = evaluate.sacre_bleu(hypotheses, split.text.tgt)
+    if split.tokenized_refs is not None:
+        tokenized = evaluate.multi30k_bleu(hypotheses, split.tokenized_refs, tgt_lang)
+    else:
+        tokenized = evaluate.wmt_bleu(hypotheses, split.text.tgt, tgt_lang)
+    return {"bleu": bleu, "signature": signature, "tok_bleu": tokenized}
+
+
+@torch.no_grad()
+def dev_loss(model: Transformer, split: Split, max_tokens: int, autocast_dtype) -> float:
+    """Label-smoothed loss per target token on a split."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    lengths = [len(s) + 1 for s in split.src_ids], [len(t) + 1 for t in split.tgt_ids]
+    total = tokens = 0.0
+    for indices in data.TokenBatches(*lengths, max_tokens).epoch(0):
+        batch = [t.to(device) for t in data.collate(split.src_ids, split.tgt_ids, indices)]
+        with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
+            total += float(model.loss(*batch, reduction="sum"))
+        tokens += int((batch[2] != data.PAD_ID).sum())
+    model.train(was_training)
+    return total / tokens
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+
+class Run:
+    """A training run: its data, model, optimiser, position, logging and checkpoints."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("error: --device cuda but torch sees no GPU")
+        if self.distributed:
+            if args.device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.main = self.rank == 0
+        self.device = torch.device(args.device, torch.cuda.current_device()) \
+            if args.device == "cuda" else torch.device("cpu")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.autocast, use_scaler = pick_precision(args.precision, self.device)
+        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
+
+        resume = checkpoint.list_checkpoints(args.save_dir)[-1:] if args.resume else []
+        if args.resume and not resume:
+            self.log(f"--resume: no checkpoint in {args.save_dir} yet, starting afresh")
+        state = checkpoint.load_checkpoint(resume[0]) if resume else None
+
+        text = load_text(args)
+        if state is not None:
+            self.spm_proto = state["spm"]
+        else:
+            started = time.time()
+            train = text["train"][0]
+            self.spm_proto = data.train_sentencepiece(train.src + train.tgt, args.vocab_size)
+            self.log(f"SentencePiece BPE, {args.vocab_size} joint pieces, trained on "
+                     f"{2 * len(train)} sentences in {time.time() - started:.1f}s")
+        self.sp = data.load_sentencepiece(self.spm_proto)
+        self.splits = {name: encode_split(self.sp, t, refs) for name, (t, refs) in text.items()}
+
+        train = self.splits["train"]
+        keep, counts = data.filter_by_length(train.src_ids, train.tgt_ids, args.max_len,
+                                             args.max_len_ratio)
+        self.log(f"training pairs: {counts['kept']} kept, {counts['too_long']} dropped as "
+                 f"longer than {args.max_len} tokens, {counts['bad_ratio']} dropped for a length "
+                 f"ratio over {args.max_len_ratio}")
+        self.src_ids = [train.src_ids[i] for i in keep]
+        self.tgt_ids = [train.tgt_ids[i] for i in keep]
+        self.batches = data.TokenBatches(
+            [len(s) + 1 for s in self.src_ids], [len(t) + 1 for t in self.tgt_ids],
+            args.max_tokens, seed=args.seed, rank=self.rank, world_size=self.world,
+        )
+        self.epoch_batches = len(self.batches)
+        self.log(f"{self.epoch_batches} batches per epoch per rank, padding "
+                 f"{100 * self.batches.padding_fraction():.1f}% of the batch tokens")
+
+        torch.manual_seed(args.seed)
+        overrides = {name: getattr(args, name) for name in MODEL_FLAGS
+                     if getattr(args, name) is not None}
+        config = replace(PRESETS[args.preset], vocab_size=self.sp.get_piece_size(),
+                         pad_id=data.PAD_ID, label_smoothing=args.label_smoothing,
+                         **overrides)
+        self.config = config
+        self.model = Transformer(config).to(self.device)
+        self.log(f"model: preset {args.preset}, {self.model.num_parameters():,} parameters, "
+                 f"{config}")
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0,
+                                          betas=tuple(args.adam_betas), eps=args.adam_eps)
+        self.step, self.epoch, self.epoch_step, self.bad_steps = 0, 0, 0, 0
+        self.history: list[dict[str, Any]] = []
+        if state is not None:
+            self.restore(state)
+            self.log(f"resumed from {resume[0]} at update {self.step} "
+                     f"(epoch {self.epoch}, batch {self.epoch_step})")
+        else:
+            torch.manual_seed(args.seed + self.rank)  # dropout differs between ranks
+        loss_module = LossModule(self.model)
+        self.trainer = DistributedDataParallel(loss_module) if self.distributed else loss_module
+        self.last_save = time.time()
+
+    def log(self, message: str) -> None:
+        if self.main:
+            print(message, file=sys.stderr if self.args.no_progress else sys.stdout, flush=True)
+            if hasattr(self, "bar"):
+                self.bar.refresh()
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint of this moment; a collective under DDP (every rank's RNG state)."""
+        rngs = [rng_state()]
+        if self.distributed:
+            rngs = [None] * self.world
+            dist.all_gather_object(rngs, rng_state())
+        return {
+            "model": self.model.state_dict(),
+            "config": asdict(self.config),
+            "spm": self.spm_proto,
+            "meta": {"step": self.step, "src": self.args.src, "tgt": self.args.tgt,
+                     "data": self.args.data, "args": dict(vars(self.args))},
+            "train": {
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
+                "bad_steps": self.bad_steps, "world_size": self.world, "rng": rngs,
+            },
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        train = state["train"]
+        if train["world_size"] != self.world:
+            raise SystemExit(f"error: the checkpoint was written at world size "
+                             f"{train['world_size']}, this run has {self.world}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(train["optimizer"])
+        if self.scaler is not None and train["scaler"] is not None:
+            self.scaler.load_state_dict(train["scaler"])
+        self.step, self.epoch = train["step"], train["epoch"]
+        self.epoch_step, self.bad_steps = train["epoch_step"], train["bad_steps"]
+        set_rng_state(train["rng"][self.rank])
+
+    def save(self) -> None:
+        state = self.state()
+        if self.main:
+            path = checkpoint.save_numbered(self.args.save_dir, state, self.step, self.args.keep)
+            self.log(f"saved {path}")
+        self.last_save = time.time()
+
+    def save_due(self) -> bool:
+        args = self.args
+        due = args.save_every > 0 and self.step % args.save_every == 0
+        if args.save_every_minutes > 0:
+            due |= time.time() - self.last_save >= 60 * args.save_every_minutes
+        if self.distributed:  # rank 0's clock decides for everyone
+            flag = torch.tensor([int(due)], device=self.device)
+            dist.broadcast(flag, 0)
+            due = bool(flag.item())
+        return due
+
+    # -- training -------------------------------------------------------------------------------
+
+    def updates(self) -> Iterator[list[tuple[torch.Tensor, ...]]]:
+        """The micro-batches of each update from the current data position; advances it."""
+        args = self.args
+        stream = self.batches.iterate(self.epoch, self.epoch_step)
+        while True:
+            group = [next(stream) for _ in range(args.update_freq)]
+            self.epoch, self.epoch_step = group[-1][0], group[-1][1] + 1
+            if self.epoch_step == self.epoch_batches:  # the update ended an epoch
+                self.epoch, self.epoch_step = self.epoch + 1, 0
+            yield [data.collate(self.src_ids, self.tgt_ids, b) for _, _, b in group]
+
+    def finished(self) -> bool:
+        args = self.args
+        return self.step >= args.max_updates or (
+            args.max_epochs > 0 and self.epoch >= args.max_epochs
+        )
+
+    def train(self) -> None:
+        args = self.args
+        bar = None
+        if self.main and not args.no_progress:
+            from tqdm import tqdm
+
+            bar = self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
+                                  dynamic_ncols=True)
+        self.model.train()
+        window = {"loss": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
+        updates = self.updates()
+        while not self.finished():
+            batches = next(updates)
+            lr = learning_rate(self.step + 1, self.config.d_model, args.warmup, args.lr_scale)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            result = train_step(self.trainer, self.optimizer, batches,
+                                autocast_dtype=self.autocast,
+                                scaler=self.scaler, clip_norm=args.clip_norm)
+            if not result.ok:
+                self.bad_steps += 1
+                self.log(f"update {self.step + 1}: NaN/inf gradients, update skipped "
+                         f"({self.bad_steps} in a row)")
+                if self.bad_steps >= args.max_bad_steps:
+                    raise SystemExit(f"error: {self.bad_steps} updates in a row had NaN/inf "
+                                     "gradients; stopping (lower --lr-scale, enable "
+                                     "--clip-norm or use --precision fp32)")
+                continue
+            self.bad_steps = 0
+            self.step += 1
+            window["loss"] += result.loss * result.tokens
+            window["tokens"] += result.tokens
+            window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in batches)
+            if self.step % args.log_every == 0 or self.finished():
+                elapsed = time.time() - window["time"]
+                loss = window["loss"] / window["tokens"]
+                record = {"step": self.step, "epoch": self.epoch, "loss": loss,
+                          "ppl": math.exp(min(loss, 50)), "lr": lr,
+                          "tok_per_s": window["batch_tokens"] * self.world / elapsed,
+                          "grad_norm": result.grad_norm, "time": time.time()}
+                self.write_metrics(record)
+                if bar is not None:
+                    bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
+                                    lr=f"{lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
+                                    epoch=self.epoch)
+                window = {"loss": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
+            if bar is not None:
+                bar.update(1)
+            if args.eval_every and self.step % args.eval_every == 0:
+                self.validate()
+            if self.save_due():
+                self.save()
+        if bar is not None:
+            bar.close()
+        if args.save_every == 0 or self.step % args.save_every:
+            self.save()  # the final state, if the last update did not just save it
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        if not self.main:
+            return
+        self.history.append(record)
+        path = Path(self.args.metrics)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def validate(self) -> None:
+        """Dev loss and greedy dev BLEU (rank 0; the others wait)."""
+        if self.main:
+            dev = self.splits["valid"]
+            started = time.time()
+            loss = dev_loss(self.model, dev, self.args.max_tokens, self.autocast)
+            hyps = translate(self.model, self.sp, dev.src_ids, beam=1, alpha=self.args.alpha,
+                             max_len_b=self.args.max_len_b,
+                             batch_size=self.args.eval_batch_size)
+            scores = bleu_scores(hyps, dev, self.args.tgt)
+            self.write_metrics({"step": self.step, "epoch": self.epoch, "dev_loss": loss,
+                                "dev_bleu": scores["bleu"], "dev_tok_bleu": scores["tok_bleu"],
+                                "time": time.time()})
+            self.log(f"update {self.step}: dev loss {loss:.3f}, greedy dev BLEU "
+                     f"{scores['bleu']:.2f} (tokenized {scores['tok_bleu']:.2f}) "
+                     f"[{time.time() - started:.0f}s]")
+        if self.distributed:
+            dist.barrier()
+
+    def finish(self) -> None:
+        """Averages the last checkpoints and reports test BLEU (beam search) on rank 0."""
+        if not self.main:
+            return
+        args = self.args
+        paths = checkpoint.list_checkpoints(args.save_dir)[-args.average_last:]
+        final = Path(args.save_dir) / "checkpoint_final.pt"
+        checkpoint.save_checkpoint(final, checkpoint.average_checkpoints(paths))
+        self.log(f"averaged the last {len(paths)} checkpoints into {final}")
+        model, sp, _ = checkpoint.load_model(final, self.device)
+        name = "test" if "test" in self.splits else "valid"
+        split = self.splits[name]
+        started = time.time()
+        hyps = translate(model, sp, split.src_ids, beam=args.beam, alpha=args.alpha,
+                         max_len_b=args.max_len_b, batch_size=args.eval_batch_size)
+        scores = bleu_scores(hyps, split, args.tgt)
+        output = Path(args.save_dir) / f"{name}.hyp.{args.tgt}"
+        output.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+        self.write_metrics({"step": self.step, f"{name}_bleu": scores["bleu"],
+                            f"{name}_tok_bleu": scores["tok_bleu"],
+                            "signature": scores["signature"], "time": time.time()})
+        if args.plot:
+            plot_metrics(self.args.metrics, args.plot)
+            self.log(f"training curves: {args.plot}")
+        tokenized = "official tokenized references" if split.tokenized_refs is not None \
+            else "Moses tokenization with compound splitting"
+        print(f"{name} ({len(hyps)} sentences, beam {args.beam}, alpha {args.alpha}, "
+              f"{time.time() - started:.0f}s), translations in {output}")
+        print(f"{name} BLEU {scores['bleu']:.2f}  {scores['signature']}")
+        print(f"{name} tokenized BLEU {scores['tok_bleu']:.2f}  (lowercased, {tokenized})")
+        print(f"checkpoint: {final}")
+
+
+def plot_metrics(metrics: str | Path, png: str | Path) -> None:
+    """Training loss, learning rate and dev BLEU against updates, from a metrics log."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written",
+              file=sys.stderr)
+        return
+    records = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    dev = [r for r in records if "dev_bleu" in r]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+    axes[0].plot([r["step"] for r in dev], [r["dev_loss"] for r in dev], "o-", label="dev")
+    axes[0].set(xlabel="update", ylabel="label-smoothed loss per token")
+    axes[0].legend()
+    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
+    axes[1].set(xlabel="update", ylabel="learning rate")
+    axes[2].plot([r["step"] for r in dev], [r["dev_bleu"] for r in dev], "o-", label="sacreBLEU")
+    axes[2].plot([r["step"] for r in dev], [r["dev_tok_bleu"] for r in dev], "o-",
+                 label="tokenized")
+    axes[2].set(xlabel="update", ylabel="greedy dev BLEU")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        run = Run(args)
+        run.train()
+        run.finish()
+    except (data.DataError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
