@@ -187,7 +187,8 @@ class MultiHeadAttention(nn.Module):
             return F.linear(query, self.in_proj_weight[:e], b[0]), k, v
         else:
             ws = self.in_proj_weight.chunk(3)
-        return tuple(F.linear(x, w, bias) for x, w, bias in zip((query, key, value), ws, b))
+        inputs = (query, key, value)
+        return tuple(F.linear(x, w, bias) for x, w, bias in zip(inputs, ws, b, strict=True))
 
     def _extra_keys(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
         """Appends the learned bias_k/bias_v key and the all-zero key of add_zero_attn."""
@@ -206,7 +207,7 @@ class MultiHeadAttention(nn.Module):
     def _check_inputs(self, query, key, value, key_padding_mask, attn_mask) -> bool:
         """Torch's shape rules with clear messages; returns whether the input is batched."""
         if query.dim() not in (2, 3):
-            raise ValueError(f"query must be 2-D (unbatched) or 3-D, got shape {tuple(query.shape)}")
+            raise ValueError(f"query must be 2-D (unbatched) or 3-D, got {tuple(query.shape)}")
         batched = query.dim() == 3
         if key.dim() != query.dim() or value.dim() != query.dim():
             raise ValueError(
@@ -271,7 +272,8 @@ def _attention_mask(
     (True = attend, or additive floats), broadcastable to (N, H, L, S)."""
     masks = []
     if attn_mask is not None:
-        masks.append(attn_mask if attn_mask.dim() == 2 else attn_mask.view(n, heads, *attn_mask.shape[1:]))
+        per_head = attn_mask.dim() == 3  # (N·H, L, S)
+        masks.append(attn_mask.unflatten(0, (n, heads)) if per_head else attn_mask)
     if key_padding_mask is not None:
         masks.append(key_padding_mask.view(n, 1, 1, -1))
     if not masks:
@@ -292,14 +294,15 @@ def _attention_with_weights(
 ) -> tuple[Tensor, Tensor]:
     """Attention that also returns its weights (N, H, L, S), after dropout as in torch."""
     scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
     if causal:
         l, s = scores.shape[-2:]
-        allowed = torch.ones(l, s, dtype=torch.bool, device=q.device).tril()
-        mask = allowed if mask is None else (
-            mask & allowed if mask.dtype == torch.bool else mask.masked_fill(~allowed, float("-inf"))
-        )
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        future = torch.ones(l, s, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
     # A row with every key masked would be NaN; it attends to nothing instead.
     empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
@@ -383,4 +386,7 @@ class LabelSmoothedCrossEntropy(nn.Module):
         return loss.view(target.shape) if self.reduction == "none" else loss
 
     def extra_repr(self) -> str:
-        return f"smoothing={self.smoothing}, ignore_index={self.ignore_index}, reduction={self.reduction}"
+        return (
+            f"smoothing={self.smoothing}, ignore_index={self.ignore_index}, "
+            f"reduction={self.reduction}"
+        )

@@ -69,7 +69,7 @@ def assert_parity(theirs, ours, inputs, kwargs, self_attention=False, valid_rows
         assert w_o is None
     elif valid_rows is None:
         torch.testing.assert_close(w_o, w_t, **TOL)
-    for g_o, g_t in zip(grads_o, grads_t):
+    for g_o, g_t in zip(grads_o, grads_t, strict=True):
         assert (g_o is None) == (g_t is None)
         if g_t is not None and valid_rows is None:
             torch.testing.assert_close(g_o, g_t, **TOL)
@@ -134,7 +134,8 @@ def random_bool(*shape, seed=1):
 
 def random_float(*shape, seed=2):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).masked_fill(random_bool(*shape, seed=seed), float("-inf"))
+    masked = random_bool(*shape, seed=seed)
+    return torch.randn(shape, generator=g).masked_fill(masked, float("-inf"))
 
 
 MASKS = {
@@ -267,7 +268,7 @@ def test_state_dict_loads_strictly_both_ways(config):
     torch.manual_seed(5)
     fresh = nn.MultiheadAttention(E, H, **config)
     fresh.load_state_dict(ours.state_dict(), strict=True)
-    for a, b in zip(fresh.state_dict().values(), theirs.state_dict().values()):
+    for a, b in zip(fresh.state_dict().values(), theirs.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -277,7 +278,7 @@ def test_initialisation_matches_torch(config):
     theirs = nn.MultiheadAttention(E, H, **config)
     torch.manual_seed(3)
     ours = MultiHeadAttention(E, H, **config)
-    for (name, a), b in zip(theirs.state_dict().items(), ours.state_dict().values()):
+    for (name, a), b in zip(theirs.state_dict().items(), ours.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 
@@ -335,14 +336,15 @@ def test_replace_multihead_attention_in_place_keeps_weights_and_outputs():
 
 def test_residual_layer_norm_matches_definition():
     torch.manual_seed(0)
-    norm = ResidualLayerNorm(13, dropout=0.3).double()
+    norm = ResidualLayerNorm(13, dropout=0.3)
     with torch.no_grad():
         norm.weight.normal_()
         norm.bias.normal_()
-    x, residual = torch.randn(3, 5, 13, dtype=torch.float64), torch.randn(3, 5, 13, dtype=torch.float64)
+    x, residual = torch.randn(2, 3, 5, 13)
     norm.eval()  # no dropout outside training
-    expected = F.layer_norm(residual + x, (13,), norm.weight, norm.bias, 1e-5)
-    torch.testing.assert_close(norm(x, residual), expected)
+    weight, bias = norm.weight.double(), norm.bias.double()
+    expected = F.layer_norm((residual + x).double(), (13,), weight, bias, 1e-5).float()
+    torch.testing.assert_close(norm(x, residual), expected, atol=1e-5, rtol=1e-5)
     assert set(dict(norm.named_parameters())) == set(dict(nn.LayerNorm(13).named_parameters()))
     norm.train()
     y = norm(x, residual)
@@ -352,16 +354,18 @@ def test_residual_layer_norm_matches_definition():
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_label_smoothed_cross_entropy_matches_torch(reduction):
     torch.manual_seed(0)
-    logits = torch.randn(3, 5, 11, dtype=torch.float64, requires_grad=True)
+    logits = torch.randn(3, 5, 11, requires_grad=True)
+    logits64 = logits.detach().double().requires_grad_()
     target = torch.randint(0, 11, (3, 5))
     target[0, :2] = 0
     loss = LabelSmoothedCrossEntropy(0.1, ignore_index=0, reduction=reduction)(logits, target)
-    expected = F.cross_entropy(logits.transpose(1, 2), target, ignore_index=0,
+    expected = F.cross_entropy(logits64.transpose(1, 2), target, ignore_index=0,
                                label_smoothing=0.1, reduction=reduction)
-    torch.testing.assert_close(loss, expected.to(loss.dtype))
+    tol = {"atol": 1e-6, "rtol": 1e-5}
+    torch.testing.assert_close(loss, expected.float(), **tol)
     grad = torch.randn_like(expected) * 0.5 + 0.3
-    (g_ours,) = torch.autograd.grad(loss, logits, grad.to(loss.dtype))
-    (g_ref,) = torch.autograd.grad(expected, logits, grad)
-    torch.testing.assert_close(g_ours, g_ref.to(g_ours.dtype))
+    (g_ours,) = torch.autograd.grad(loss, logits, grad.float())
+    (g_ref,) = torch.autograd.grad(expected, logits64, grad)
+    torch.testing.assert_close(g_ours, g_ref.float(), **tol)
     with pytest.raises(ValueError, match="class"):
         LabelSmoothedCrossEntropy()(logits, target[:, :3])
