@@ -1,22 +1,481 @@
-"""Label-smoothed cross-entropy. PLACEHOLDER: reference only until the kernel lands (issue 4)."""
+"""Label-smoothed cross-entropy, and the output projection fused with it.
+
+For logits x (N, V), target t (N,) and smoothing eps, as F.cross_entropy(label_smoothing=eps):
+
+    lse_r  = log sum_j exp(x_rj)
+    nll_r  = lse_r - x_rt                                 (the unsmoothed loss, for perplexity)
+    loss_r = (1 - eps) nll_r + eps (lse_r - sum_j x_rj / V)
+    dloss_r / dx_rj = softmax(x_r)_j - eps / V - (1 - eps) [j == t_r]
+
+Rows whose target is ignore_index contribute 0 and have zero gradient; "mean" divides the sum by
+the number of the other rows, counted on the device (no host sync), and is 0 when every row is
+ignored (F.cross_entropy gives NaN there).
+
+The forward kernel streams each row once in BLOCK_V chunks with an online logsumexp, so no fp32
+copy of the softmax exists; it saves only lse (fp32, one per row). The backward kernel rereads
+the logits and writes the gradient into a new buffer of the logits' dtype (the caller's logits
+are never overwritten); the true-class term is formed in fp32 before that single rounding.
+Traffic: read N*V forward, read + write N*V backward.
+
+linear_cross_entropy(hidden, weight, target) is cross-entropy of hidden @ weight.T + bias
+computed over row chunks, so the (N, V) logits never exist in full: each chunk's logits are
+turned into their gradient in place (they are this function's own buffer) and folded into
+dhidden, dweight and dbias straight away, in the forward when the loss is reduced to a scalar
+(the backward then only scales by grad_output), in the backward for reduction="none".
+"""
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from fastattn.backend import use_triton
+
+REDUCTIONS = ("none", "sum", "mean")
+MAX_BLOCK_V = 4096  # vocabulary chunk one program holds in registers
+CHUNK_ELEMENTS = 2**22  # logits per linear_cross_entropy chunk: 16 MB in fp32
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    Logits, Target, Loss, Nll, Lse,
+    stride, V, smoothing, ignore_index,
+    BLOCK_V: tl.constexpr,
+):
+    """One row per program; online logsumexp over vocabulary chunks.
+
+    m_k = max(m_{k-1}, max(chunk_k)),  d_k = d_{k-1} exp(m_{k-1} - m_k) + sum exp(chunk_k - m_k)
+    lse = m + log d,  nll = lse - x_t,  loss = (1 - eps) nll + eps (lse - sum(x) / V)
+    Ignored rows store 0; a target outside [0, V) stores NaN.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    base = Logits + row * stride
+    target = tl.load(Target + row)
+    m = -float("inf")
+    d = 0.0
+    total = tl.zeros((BLOCK_V,), dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(base + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+        total += tl.where(cols < V, x, 0.0)
+    lse = m + tl.log(d)
+    in_range = (target >= 0) & (target < V)
+    x_t = tl.load(base + target, mask=in_range, other=0.0).to(tl.float32)
+    nll = lse - x_t
+    loss = (1.0 - smoothing) * nll + smoothing * (lse - tl.sum(total, axis=0) / V)
+    ignored = target == ignore_index
+    tl.store(Loss + row, tl.where(ignored, 0.0, tl.where(in_range, loss, float("nan"))))
+    tl.store(Nll + row, tl.where(ignored, 0.0, tl.where(in_range, nll, float("nan"))))
+    tl.store(Lse + row, lse)
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    Logits, Target, Lse, GradRows, DLogits,
+    stride, stride_d, stride_g, V, smoothing, ignore_index,
+    BLOCK_V: tl.constexpr,
+):
+    """One row per program: dx_j = g * (exp(x_j - lse) - eps / V - (1 - eps) [j == t]), in fp32,
+    g = 0 on ignored rows. DLogits may be Logits itself: each element is read before written."""
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(Target + row)
+    lse = tl.load(Lse + row)
+    g = tl.load(GradRows + row * stride_g).to(tl.float32)
+    g = tl.where(target == ignore_index, 0.0, g)
+    for start in range(0, V, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(Logits + row * stride + cols, mask=cols < V, other=0.0).to(tl.float32)
+        grad = tl.exp(x - lse) - smoothing / V - tl.where(cols == target, 1.0 - smoothing, 0.0)
+        tl.store(DLogits + row * stride_d + cols, (g * grad).to(DLogits.dtype.element_ty),
+                 mask=cols < V)
+
+
+def _launch_config(vocab: int) -> dict:
+    block_v = min(triton.next_power_of_2(vocab), MAX_BLOCK_V)
+    return dict(BLOCK_V=block_v, num_warps=min(max(block_v // 512, 1), 8))
+
+
+def _cross_entropy_fwd_triton(logits, target, smoothing, ignore_index):
+    N, V = logits.shape
+    loss, nll, lse = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(3))
+    _cross_entropy_fwd_kernel[(N,)](
+        logits, target, loss, nll, lse, logits.stride(0), V, smoothing, ignore_index,
+        **_launch_config(V),
+    )
+    return loss, nll, lse
+
+
+def _cross_entropy_bwd_triton(logits, target, lse, grad_rows, smoothing, ignore_index, out):
+    N, V = logits.shape
+    _cross_entropy_bwd_kernel[(N,)](
+        logits, target, lse, grad_rows, out,
+        logits.stride(0), out.stride(0), grad_rows.stride(0), V, smoothing, ignore_index,
+        **_launch_config(V),
+    )
+    return out
+
+
+@torch.library.custom_op("fastattn::cross_entropy_fwd", mutates_args=())
+def _cross_entropy_fwd(
+    logits: torch.Tensor, target: torch.Tensor, smoothing: float, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (loss, nll, lse), all fp32, for logits (N, V) with unit column stride."""
+    return _cross_entropy_fwd_triton(logits, target, smoothing, ignore_index)
+
+
+@_cross_entropy_fwd.register_fake
+def _(logits, target, smoothing, ignore_index):
+    rows = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return rows, torch.empty_like(rows), torch.empty_like(rows)
+
+
+@torch.library.custom_op("fastattn::cross_entropy_bwd", mutates_args=())
+def _cross_entropy_bwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    grad_rows: torch.Tensor,
+    smoothing: float,
+    ignore_index: int,
+) -> torch.Tensor:
+    """d(sum_r grad_rows_r loss_r) / dlogits in a new tensor of the logits' dtype."""
+    out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+    return _cross_entropy_bwd_triton(logits, target, lse, grad_rows, smoothing, ignore_index, out)
+
+
+@_cross_entropy_bwd.register_fake
+def _(logits, target, lse, grad_rows, smoothing, ignore_index):
+    return torch.empty_like(logits, memory_format=torch.contiguous_format)
+
+
+def _cross_entropy_setup_context(ctx, inputs, output):
+    logits, target, smoothing, ignore_index = inputs
+    ctx.save_for_backward(logits, target, output[2])
+    ctx.smoothing, ctx.ignore_index = smoothing, ignore_index
+    ctx.set_materialize_grads(False)
+
+
+def _cross_entropy_backward(ctx, dloss, _dnll, _dlse):
+    if dloss is None:
+        return None, None, None, None
+    logits, target, lse = ctx.saved_tensors
+    dlogits = _cross_entropy_bwd(logits, target, lse, dloss, ctx.smoothing, ctx.ignore_index)
+    return dlogits, None, None, None
+
+
+torch.library.register_autograd(
+    "fastattn::cross_entropy_fwd", _cross_entropy_backward,
+    setup_context=_cross_entropy_setup_context,
+)
+
+
+def _cross_entropy_rows_torch(logits, target, smoothing, ignore_index):
+    """Per-row (loss, nll) in fp32 with PyTorch's native kernels and autograd."""
+    if smoothing == 0:
+        nll = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none").float()
+        return nll, nll
+    valid = target != ignore_index
+    logp = logits.log_softmax(-1)
+    nll = -logp.gather(1, target.masked_fill(~valid, 0)[:, None])[:, 0].float()
+    smooth = -logp.mean(-1, dtype=torch.float32)
+    loss = (1 - smoothing) * nll + smoothing * smooth
+    return loss.masked_fill(~valid, 0), nll.masked_fill(~valid, 0)
+
+
+def _reduce(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reduction: str):
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    if reduction == "sum":
+        return total
+    return total / (target != ignore_index).sum().clamp(min=1)  # a device-side count
+
+
+def _check(kind, logits, target, smoothing, reduction):
+    if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
+        raise ValueError(
+            f"{kind} needs (N, {'H' if kind == 'hidden' else 'V'}) {kind} and (N,) target "
+            f"(flatten leading dims), got {tuple(logits.shape)} and {tuple(target.shape)}"
+        )
+    if target.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"target must hold class indices (int64 or int32), got {target.dtype}")
+    if not 0.0 <= smoothing <= 1.0:
+        raise ValueError(f"smoothing must be in [0, 1], got {smoothing}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+
+
+def _check_targets(target, vocab, ignore_index):
+    """On CPU, where it costs no device sync, reject targets outside [0, V); on GPUs (and inside
+    torch.compile) such rows get a NaN loss from the kernels, an index error from PyTorch."""
+    if target.device.type == "cpu" and not torch.compiler.is_compiling():
+        bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+        if bad.any():
+            raise ValueError(
+                f"target {target[bad][0].item()} is out of range for {vocab} classes "
+                f"(ignore_index={ignore_index})"
+            )
+
+
+def cross_entropy_reference(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss, nll) by F.cross_entropy in the logits' dtype (float64 for ground truth); "mean"
+    over zero rows is 0."""
+    count = (target != ignore_index).sum().clamp(min=1)
+    out = []
+    for eps in (smoothing, 0.0):
+        rows = F.cross_entropy(
+            logits, target, ignore_index=ignore_index, reduction="none", label_smoothing=eps
+        )
+        divisor = count if reduction == "mean" else 1
+        out.append(rows if reduction == "none" else rows.sum() / divisor)
+    return out[0], out[1]
 
 
 def label_smoothed_cross_entropy(
-    logits, target, smoothing=0.0, ignore_index=-100, reduction="mean"
-):
-    return F.cross_entropy(
-        logits.float(), target, ignore_index=ignore_index, reduction=reduction,
-        label_smoothing=smoothing,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    return_nll: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
+    label_smoothing=smoothing) for logits (N, V) of any float dtype and target (N,).
+
+    The loss has the logits' dtype, as F.cross_entropy's; "mean" over only ignored targets is 0,
+    not NaN. With return_nll=True returns (loss, nll): nll is the unsmoothed negative
+    log-likelihood reduced the same way (exp of its mean is the perplexity), fp32, without
+    gradient, from the same pass over the logits.
+    """
+    _check("logits", logits, target, smoothing, reduction)
+    _check_targets(target, logits.shape[1], ignore_index)
+    if logits.numel() and use_triton(logits):
+        loss, nll, _ = _cross_entropy_fwd(
+            logits.contiguous(), target.contiguous(), float(smoothing), ignore_index
+        )
+    else:
+        loss, nll = _cross_entropy_rows_torch(logits, target, smoothing, ignore_index)
+    loss = _reduce(loss, target, ignore_index, reduction).to(logits.dtype)
+    if not return_nll:
+        return loss
+    return loss, _reduce(nll.detach(), target, ignore_index, reduction)
+
+
+def _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index):
+    """Per-row fp32 (loss, nll) of a logits chunk, which is then overwritten with
+    d(sum_r row_weight_r loss_r) / dlogits: fp32 math, one rounding to the chunk's dtype."""
+    x = logits.float()  # the chunk itself when fp32
+    lse = torch.logsumexp(x, -1)
+    valid = target != ignore_index
+    safe_target = target.masked_fill(~valid, 0)[:, None]
+    nll = (lse - x.gather(1, safe_target)[:, 0]).masked_fill(~valid, 0)
+    loss = nll
+    if smoothing:
+        loss = (1 - smoothing) * nll + smoothing * (lse - x.mean(-1)).masked_fill(~valid, 0)
+    w = row_weight.float().masked_fill(~valid, 0)[:, None]
+    grad = x.sub_(lse[:, None]).exp_().mul_(w)
+    if smoothing:
+        grad.sub_(w * (smoothing / x.shape[1]))
+    grad.scatter_add_(1, safe_target, w * -(1 - smoothing))
+    if grad.data_ptr() != logits.data_ptr():
+        logits.copy_(grad)
+    return loss, nll
+
+
+def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index):
+    if use_triton(logits):
+        loss, nll, lse = _cross_entropy_fwd_triton(logits, target, smoothing, ignore_index)
+        _cross_entropy_bwd_triton(logits, target, lse, row_weight, smoothing, ignore_index, logits)
+        return loss, nll
+    return _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index)
+
+
+def _cross_entropy_loss(logits, target, smoothing, ignore_index):
+    if use_triton(logits):
+        return _cross_entropy_fwd_triton(logits, target, smoothing, ignore_index)[:2]
+    return _cross_entropy_rows_torch(logits, target, smoothing, ignore_index)
+
+
+def _linear_cross_entropy_chunks(hidden, weight, bias, target, smoothing, ignore_index, row_weight):
+    """Per-row fp32 (loss, nll) of hidden @ weight.T + bias, CHUNK_ELEMENTS logits at a time;
+    with row_weight (N,), also the gradients of sum_r row_weight_r loss_r for hidden, weight and
+    bias (fp32 for weight and bias), else empty tensors."""
+    N, V = hidden.shape[0], weight.shape[0]
+    rows = max(1, min(N, CHUNK_ELEMENTS // V))
+    loss = hidden.new_empty(N, dtype=torch.float32)
+    nll = torch.empty_like(loss)
+    grads = row_weight is not None
+    dhidden = torch.empty_like(hidden) if grads else hidden.new_empty(0)
+    dweight = torch.zeros_like(weight, dtype=torch.float32) if grads else hidden.new_empty(0)
+    dbias = torch.zeros(V, dtype=torch.float32, device=hidden.device)
+    if not (grads and bias is not None):
+        dbias = hidden.new_empty(0)
+    for start in range(0, N, rows):
+        part = slice(start, start + rows)
+        h, t = hidden[part], target[part]
+        logits = F.linear(h, weight, bias)
+        if not grads:
+            loss[part], nll[part] = _cross_entropy_loss(logits, t, smoothing, ignore_index)
+            continue
+        loss[part], nll[part] = _cross_entropy_grad(
+            logits, t, row_weight[part], smoothing, ignore_index
+        )
+        torch.mm(logits, weight, out=dhidden[part])
+        if dweight.dtype == logits.dtype:
+            dweight.addmm_(logits.T, h)
+        else:
+            dweight += logits.T @ h
+        if bias is not None:
+            dbias += logits.sum(0, dtype=torch.float32)
+    return loss, nll, dhidden, dweight, dbias
+
+
+def _row_weights(target, ignore_index, reduction):
+    """d(reduced loss) / d(loss_r): 1 for "sum", 1 / count for "mean" (device-side count)."""
+    ones = torch.ones(target.shape, dtype=torch.float32, device=target.device)
+    return ones if reduction == "sum" else ones / (target != ignore_index).sum().clamp(min=1)
+
+
+@torch.library.custom_op("fastattn::linear_cross_entropy_fwd", mutates_args=())
+def _linear_cross_entropy_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    smoothing: float,
+    ignore_index: int,
+    reduction: str,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, nll) in fp32 reduced as `reduction`; if compute_grad and the loss is a scalar, also
+    its gradients for hidden, weight, bias (fp32 for weight and bias), else empty tensors."""
+    row_weight = None
+    if compute_grad and reduction != "none":
+        row_weight = _row_weights(target, ignore_index, reduction)
+    with torch.autocast(hidden.device.type, enabled=False):  # the caller cast the inputs
+        loss, nll, dh, dw, db = _linear_cross_entropy_chunks(
+            hidden, weight, bias, target, smoothing, ignore_index, row_weight
+        )
+    reduce = lambda rows: _reduce(rows, target, ignore_index, reduction)
+    return reduce(loss), reduce(nll), dh, dw, db
+
+
+@_linear_cross_entropy_fwd.register_fake
+def _(hidden, weight, bias, target, smoothing, ignore_index, reduction, compute_grad):
+    shape = target.shape if reduction == "none" else ()
+    loss = hidden.new_empty(shape, dtype=torch.float32)
+    grads = compute_grad and reduction != "none"
+    dh = torch.empty_like(hidden) if grads else hidden.new_empty(0)
+    dw = torch.empty_like(weight, dtype=torch.float32) if grads else hidden.new_empty(0)
+    has_db = grads and bias is not None
+    db = hidden.new_empty(weight.shape[0] if has_db else 0, dtype=torch.float32)
+    return loss, torch.empty_like(loss), dh, dw, db
+
+
+@torch.library.custom_op("fastattn::linear_cross_entropy_bwd", mutates_args=())
+def _linear_cross_entropy_bwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    grad_rows: torch.Tensor,
+    smoothing: float,
+    ignore_index: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of sum_r grad_rows_r loss_r for hidden, weight, bias (fp32 for the last two;
+    empty without bias): the backward of reduction="none", recomputing the logits chunk-wise."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        _, _, dh, dw, db = _linear_cross_entropy_chunks(
+            hidden, weight, bias, target, smoothing, ignore_index, grad_rows.float()
+        )
+    return dh, dw, db
+
+
+@_linear_cross_entropy_bwd.register_fake
+def _(hidden, weight, bias, target, grad_rows, smoothing, ignore_index):
+    db = hidden.new_empty(0 if bias is None else weight.shape[0], dtype=torch.float32)
+    return torch.empty_like(hidden), torch.empty_like(weight, dtype=torch.float32), db
+
+
+def _linear_cross_entropy_setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, smoothing, ignore_index, reduction, compute_grad = inputs
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, target)
+    else:
+        ctx.save_for_backward(*output[2:])
+    ctx.reduction, ctx.smoothing, ctx.ignore_index = reduction, smoothing, ignore_index
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+    ctx.set_materialize_grads(False)
+
+
+def _linear_cross_entropy_backward(ctx, dloss, _dnll, *_dgrads):
+    if dloss is None:
+        return (None,) * 8
+    if ctx.reduction == "none":
+        dh, dw, db = _linear_cross_entropy_bwd(
+            *ctx.saved_tensors, dloss, ctx.smoothing, ctx.ignore_index
+        )
+    else:  # gradients of the scalar loss were formed in the forward: scale by grad_output
+        dh, dw, db = ctx.saved_tensors
+        dh, dw, db = dh * dloss.to(dh.dtype), dw * dloss, db * dloss
+    weight_dtype, bias_dtype = ctx.dtypes
+    return (
+        dh, dw.to(weight_dtype), None if bias_dtype is None else db.to(bias_dtype),
+        None, None, None, None, None,
     )
+
+
+torch.library.register_autograd(
+    "fastattn::linear_cross_entropy_fwd", _linear_cross_entropy_backward,
+    setup_context=_linear_cross_entropy_setup_context,
+)
 
 
 def linear_cross_entropy(
-    hidden, weight, target, bias=None, smoothing=0.0, ignore_index=-100, reduction="mean"
-):
-    return label_smoothed_cross_entropy(
-        F.linear(hidden, weight, bias), target, smoothing, ignore_index, reduction
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    return_nll: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """label_smoothed_cross_entropy(hidden @ weight.T + bias, target, ...) without the (N, V)
+    logits ever existing in full: hidden (N, H), weight (V, H) (the tied embedding), bias (V,),
+    target (N,). Runs in chunks of CHUNK_ELEMENTS logits, each with the Triton loss kernels or
+    PyTorch (per the backend) and matmuls in the autocast dtype when autocast is on. Loss dtype
+    and return_nll as label_smoothed_cross_entropy's, with hidden's dtype (after autocast).
+    """
+    _check("hidden", hidden, target, smoothing, reduction)
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight must be (V, {hidden.shape[1]}) for hidden {tuple(hidden.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+    _check_targets(target, weight.shape[0], ignore_index)
+    if torch.is_autocast_enabled(hidden.device.type):  # cast once, not once per chunk
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    params = (hidden, weight) if bias is None else (hidden, weight, bias)
+    compute_grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+    loss, nll, *_ = _linear_cross_entropy_fwd(
+        hidden.contiguous(), weight.contiguous(), bias, target.contiguous(), float(smoothing),
+        ignore_index, reduction, compute_grad,
     )
+    loss = loss.to(hidden.dtype)
+    return (loss, nll.detach()) if return_nll else loss

@@ -1,0 +1,293 @@
+"""fastattn.ops.label_smoothed_cross_entropy and linear_cross_entropy against float64
+F.cross_entropy, on both backends."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fastattn.kernels import cross_entropy
+from fastattn.kernels.cross_entropy import REDUCTIONS, cross_entropy_reference
+
+from fastattn.backend import use_triton
+from fastattn.ops import label_smoothed_cross_entropy, linear_cross_entropy
+
+N = 6  # rows: small for the interpreter
+INTERPRETED = use_triton(torch.empty(0))  # CPU tensors go through Triton's interpreter
+
+
+def _target(n, vocab, ignore_index=-100, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randint(0, vocab, (n,), generator=g)
+    target[1] = ignore_index
+    return target
+
+
+def _grad_output(loss, seed=1):
+    """A grad_output != 1: random, per row for reduction="none"."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(loss.shape, generator=g, dtype=torch.float64) + 0.5
+
+
+def _loss_and_grads(fn, leaves, grad_output=None):
+    loss, nll = fn(*leaves)
+    grad_output = _grad_output(loss) if grad_output is None else grad_output
+    grads = torch.autograd.grad((loss.double() * grad_output).sum(), leaves)
+    return [loss, nll, *grads], grad_output
+
+
+def _assert_within(ours, exact, torch_lowp, floor):
+    """Each of ours within 2x PyTorch's own low-precision error (plus a floor) of float64;
+    where PyTorch overflows (an fp16 sum), within the floor alone."""
+    for o, e, t in zip(ours, exact, torch_lowp, strict=True):
+        assert o.shape == e.shape and torch.isfinite(o).all()
+        torch_err = (t.double() - e).abs().max().nan_to_num(0.0, posinf=0.0).item()
+        err = (o.double() - e).abs().max().item()
+        assert err <= 2 * torch_err + floor * max(1.0, e.abs().max().item()), (err, torch_err)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 16, 512, 1000, 1023, 4099])
+def test_matches_float64_reference(vocab, dtype, smoothing, reduction):
+    logits = torch.randn(N, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    logits = (logits * 4).to(dtype).double()  # exactly representable in dtype
+    target = _target(N, vocab)
+
+    def ours(x):
+        return label_smoothed_cross_entropy(
+            x, target, smoothing, reduction=reduction, return_nll=True
+        )
+
+    def reference(x):
+        return cross_entropy_reference(x, target, smoothing, reduction=reduction)
+
+    x = logits.to(dtype).requires_grad_()
+    out, grad_output = _loss_and_grads(ours, [x])
+    exact, _ = _loss_and_grads(reference, [logits.clone().requires_grad_()], grad_output)
+    lowp, _ = _loss_and_grads(reference, [logits.to(dtype).requires_grad_()], grad_output)
+    assert out[0].dtype == dtype and out[1].dtype == torch.float32 and out[2].dtype == dtype
+    floor = 2e-6 if dtype == torch.float32 else 1e-3
+    _assert_within(out, exact, lowp, floor)
+    if dtype == torch.float32 and reduction != "none":
+        torch.testing.assert_close(  # the loss as F.cross_entropy itself computes it
+            out[0], F.cross_entropy(x, target, reduction=reduction, label_smoothing=smoothing),
+            atol=floor, rtol=floor,
+        )
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_ignore_index_is_a_real_class(smoothing):
+    """ignore_index=0 (a padding id): rows targeting class 0 are ignored, class 0 still counts
+    in other rows' softmax and smoothing."""
+    logits = torch.randn(N, 50, dtype=torch.float64)
+    target = _target(N, 50, ignore_index=0)
+    x = logits.clone().requires_grad_()
+    loss = label_smoothed_cross_entropy(x, target, smoothing, ignore_index=0)
+    loss.backward()
+    exact = logits.clone().requires_grad_()
+    F.cross_entropy(exact, target, ignore_index=0, label_smoothing=smoothing).backward()
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target, ignore_index=0,
+                                                     label_smoothing=smoothing))
+    torch.testing.assert_close(x.grad, exact.grad)
+    assert (x.grad[target == 0] == 0).all()
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_ignored_is_zero_not_nan(reduction):
+    logits = torch.randn(4, 33, requires_grad=True)
+    target = torch.full((4,), -100)
+    loss, nll = label_smoothed_cross_entropy(
+        logits, target, 0.1, reduction=reduction, return_nll=True
+    )
+    assert torch.equal(loss, torch.zeros_like(loss)) and torch.equal(nll, torch.zeros_like(nll))
+    (loss * 3).sum().backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_leaves_the_callers_logits_untouched():
+    logits = torch.randn(N, 300, requires_grad=True)
+    before = logits.detach().clone()
+    label_smoothed_cross_entropy(logits, _target(N, 300), 0.1).backward()
+    assert torch.equal(logits.detach(), before)
+
+
+def test_large_vocabulary():
+    vocab = 131072 + 3  # 128k classes and a ragged last chunk
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    logits = logits.half().double()
+    target = torch.tensor([5, vocab - 1])
+    ours = lambda x: label_smoothed_cross_entropy(x, target, 0.1, return_nll=True)
+    reference = lambda x: cross_entropy_reference(x, target, 0.1)
+    out, grad_output = _loss_and_grads(ours, [logits.half().requires_grad_()])
+    exact, _ = _loss_and_grads(reference, [logits.clone().requires_grad_()], grad_output)
+    lowp, _ = _loss_and_grads(reference, [logits.half().requires_grad_()], grad_output)
+    _assert_within(out, exact, lowp, 1e-3)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter has no bfloat16")
+def test_bfloat16_logits():
+    logits = torch.randn(N, 1000, dtype=torch.float64) * 3
+    target = _target(N, 1000)
+    x = logits.bfloat16().requires_grad_()
+    loss = label_smoothed_cross_entropy(x, target, 0.1)
+    loss.backward()
+    exact = logits.bfloat16().double().requires_grad_()
+    ref, _ = cross_entropy_reference(exact, target, 0.1)
+    ref.backward()
+    assert loss.dtype == torch.bfloat16 and x.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(x.grad.double(), exact.grad, atol=1e-4, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "logits, target, kw, message",
+    [
+        (torch.randn(4, 10), torch.tensor([0, 1, 10, 2]), {}, "target 10 is out of range"),
+        (torch.randn(4, 10), torch.tensor([0, 1, -3, 2]), {}, "target -3 is out of range"),
+        (torch.randn(2, 4, 10), torch.zeros(2, 4, dtype=torch.long), {}, "flatten leading"),
+        (torch.randn(4, 10), torch.zeros(3, dtype=torch.long), {}, r"\(N,\) target"),
+        (torch.randn(4, 10), torch.zeros(4), {}, "class indices"),
+        (torch.randn(4, 10), torch.zeros(4, dtype=torch.long), dict(reduction="avg"), "reduct"),
+        (torch.randn(4, 10), torch.zeros(4, dtype=torch.long), dict(smoothing=1.5), "smoothing"),
+    ],
+)
+def test_bad_input_errors(logits, target, kw, message):
+    with pytest.raises(ValueError, match=message):
+        label_smoothed_cross_entropy(logits, target, **kw)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of 5 rows of 64 classes, so every call below runs several, the last one ragged."""
+    monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", 5 * 64)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_float64_reference(small_chunks, bias, smoothing, reduction):
+    g = torch.Generator().manual_seed(3)
+    rows, features, vocab = 17, 24, 64
+    masters = [
+        torch.randn(rows, features, generator=g, dtype=torch.float64),
+        torch.randn(vocab, features, generator=g, dtype=torch.float64) / 3,
+        torch.randn(vocab, generator=g, dtype=torch.float64) if bias else None,
+    ]
+    target = _target(rows, vocab)
+    target[7] = -100  # ignored rows in several chunks
+
+    def ours(h, w, b=None):
+        return linear_cross_entropy(
+            h, w, target, b, smoothing, reduction=reduction, return_nll=True
+        )
+
+    def reference(h, w, b=None):
+        return cross_entropy_reference(F.linear(h, w, b), target, smoothing, reduction=reduction)
+
+    leaves = lambda dtype: [
+        m.to(dtype, copy=True).requires_grad_() for m in masters if m is not None
+    ]
+    out, grad_output = _loss_and_grads(ours, leaves(torch.float32))
+    exact, _ = _loss_and_grads(reference, leaves(torch.float64), grad_output)
+    torch_fp32, _ = _loss_and_grads(reference, leaves(torch.float32), grad_output)
+    assert [t.dtype for t in out] == [torch.float32] * len(out)
+    _assert_within(out, exact, torch_fp32, 2e-6)
+
+
+def test_linear_all_ignored_is_zero_not_nan(small_chunks):
+    hidden = torch.randn(12, 8, requires_grad=True)
+    weight = torch.randn(64, 8, requires_grad=True)
+    loss = linear_cross_entropy(hidden, weight, torch.full((12,), -100), smoothing=0.1)
+    loss.backward()
+    assert loss.item() == 0
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+    assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+def test_linear_without_grad_and_under_no_grad(small_chunks):
+    hidden, weight = torch.randn(12, 8), torch.randn(64, 8)
+    target = _target(12, 64)
+    exact, _ = cross_entropy_reference(F.linear(hidden.double(), weight.double()), target, 0.1)
+    torch.testing.assert_close(linear_cross_entropy(hidden, weight, target, smoothing=0.1).double(),
+                               exact)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden.requires_grad_(), weight, target, smoothing=0.1)
+    torch.testing.assert_close(loss.double(), exact)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter has no bfloat16")
+def test_linear_under_bfloat16_autocast(small_chunks):
+    """The training step's setting on CPU: fp32 parameters, bf16 autocast."""
+    g = torch.Generator().manual_seed(4)
+    hidden = torch.randn(17, 24, generator=g, requires_grad=True)
+    weight = (torch.randn(64, 24, generator=g) / 3).requires_grad_()
+    target = _target(17, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(hidden, weight, target, smoothing=0.1)
+    loss.backward()
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    exact, _ = cross_entropy_reference(F.linear(h64, w64), target, 0.1)
+    exact.backward()
+    assert loss.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), exact.detach(), atol=3e-2, rtol=2e-2)
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=3e-3, rtol=3e-2)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=3e-3, rtol=3e-2)
+
+
+def test_linear_bad_input_errors():
+    hidden, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="weight must be"):
+        linear_cross_entropy(hidden, torch.randn(10, 7), target)
+    with pytest.raises(ValueError, match="bias must be"):
+        linear_cross_entropy(hidden, torch.randn(10, 8), target, bias=torch.randn(9))
+    with pytest.raises(ValueError, match="out of range"):
+        linear_cross_entropy(hidden, torch.randn(10, 8), torch.tensor([0, 1, 2, 10]))
+
+
+@pytest.mark.skipif(
+    INTERPRETED,
+    reason="dynamo cannot trace fastattn.backend.interpreter_active (it reads triton.knobs), so "
+    "only the CPU torch path and CUDA tensors compile",
+)
+def test_compiles_with_fullgraph():
+    logits = torch.randn(N, 40, requires_grad=True)
+    hidden, weight = torch.randn(N, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
+    target = _target(N, 40)
+
+    def losses(logits, hidden, weight):
+        a = label_smoothed_cross_entropy(logits, target, 0.1)
+        return a + linear_cross_entropy(hidden, weight, target, smoothing=0.1)
+
+    compiled = torch.compile(losses, fullgraph=True, backend="aot_eager")
+    got = compiled(logits, hidden, weight)
+    grads = torch.autograd.grad(got * 2, (logits, hidden, weight))
+    want = losses(logits, hidden, weight)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(grads, torch.autograd.grad(want * 2, (logits, hidden, weight)), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_linear_custom_op_registration(reduction):
+    hidden, weight = torch.randn(7, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
+    bias, target = torch.randn(40, requires_grad=True), _target(7, 40)
+    torch.library.opcheck(
+        torch.ops.fastattn.linear_cross_entropy_fwd.default,
+        (hidden, weight, bias, target, 0.1, -100, reduction, True), test_utils=CHECKS,
+    )
+
+
+@pytest.mark.skipif(
+    not INTERPRETED,
+    reason="fastattn::cross_entropy_fwd runs the Triton kernels, which this backend "
+    "(FASTATTN_BACKEND=torch, or auto on CPU) does not use",
+)
+def test_custom_op_registration():
+    logits = torch.randn(7, 40, requires_grad=True)
+    torch.library.opcheck(
+        torch.ops.fastattn.cross_entropy_fwd.default, (logits, _target(7, 40), 0.1, -100),
+        test_utils=CHECKS,
+    )
