@@ -1,4 +1,26 @@
-// PLACEHOLDER until the beam search step lands (issue 6).
+// Registers fastattn._C's ops in the "fastattn" torch.library namespace (a fragment: the Python
+// side of fastattn registers ops there too). Importing fastattn._C is what loads them.
 #include <torch/extension.h>
+#include <torch/library.h>
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.doc() = "fastattn native ops"; }
+#include "beam_search.h"
+
+TORCH_LIBRARY_FRAGMENT(fastattn, m) {
+  m.def(
+      "beam_search_step(Tensor logprobs, Tensor tokens, Tensor scores, Tensor sentences, "
+      "Tensor max_len, Tensor penalty, Tensor(a!) finished_tokens, Tensor(b!) finished_scores, "
+      "Tensor(c!) finished_lengths, Tensor(d!) finished_count, int eos_id, int nbest) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) { m.impl("beam_search_step", &fastattn::beam_search_step_cpu); }
+
+#ifdef FASTATTN_WITH_CUDA
+TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
+  m.impl("beam_search_step", &fastattn::beam_search_step_cuda);
+}
+#endif
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastattn native ops, registered as torch.ops.fastattn.*";
+}

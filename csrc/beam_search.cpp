@@ -1,0 +1,207 @@
+// One step of beam search on CPU in a single pass per sentence: masking, score update, partial
+// top-k, finishing, back-filling, the stopping bound, then compaction of the surviving rows.
+#include "beam_search.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <vector>
+
+namespace fastattn {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Candidate {
+  float score;
+  int64_t index;  // beam * V + token within the sentence
+};
+
+// Keeps the best `capacity` candidates ordered by score, ties by lower index. Candidates arrive in
+// increasing index order, so a newcomer goes after every kept one with an equal score.
+class TopCandidates {
+ public:
+  explicit TopCandidates(int64_t capacity) : capacity_(capacity) { items_.reserve(capacity); }
+
+  void offer(float score, int64_t index) {
+    const int64_t n = static_cast<int64_t>(items_.size());
+    if (n == capacity_) {
+      if (!(score > items_.back().score)) return;
+      items_.pop_back();
+    }
+    auto at = std::upper_bound(items_.begin(), items_.end(), score,
+                               [](float s, const Candidate &c) { return s > c.score; });
+    items_.insert(at, Candidate{score, index});
+  }
+
+  const std::vector<Candidate> &items() const { return items_; }
+
+ private:
+  int64_t capacity_;
+  std::vector<Candidate> items_;
+};
+
+struct LiveBeam {
+  int64_t row;  // the row of this step it continues
+  int64_t token;
+  float score;
+};
+
+}  // namespace
+
+void check_step_arguments(FASTATTN_STEP_ARGS) {
+  const auto check = [&](const at::Tensor &x, const char *name, at::ScalarType dtype, int64_t dim) {
+    TORCH_CHECK(x.scalar_type() == dtype, "beam_search_step: ", name, " must be ", dtype, ", got ",
+                x.scalar_type());
+    TORCH_CHECK(x.dim() == dim, "beam_search_step: ", name, " must have ", dim, " dimensions, got ",
+                x.sizes());
+    TORCH_CHECK(x.is_contiguous(), "beam_search_step: ", name, " must be contiguous");
+    TORCH_CHECK(x.device() == logprobs.device(), "beam_search_step: ", name, " is on ",
+                x.device(), " but logprobs on ", logprobs.device());
+  };
+  check(logprobs, "logprobs", at::kFloat, 2);
+  check(tokens, "tokens", at::kLong, 2);
+  check(scores, "scores", at::kFloat, 1);
+  check(sentences, "sentences", at::kLong, 1);
+  check(max_len, "max_len", at::kLong, 1);
+  check(penalty, "penalty", at::kDouble, 1);
+  check(finished_tokens, "finished_tokens", at::kLong, 3);
+  check(finished_scores, "finished_scores", at::kFloat, 2);
+  check(finished_lengths, "finished_lengths", at::kLong, 2);
+  check(finished_count, "finished_count", at::kLong, 1);
+  const int64_t n = logprobs.size(0), s = sentences.size(0), batch = max_len.size(0);
+  const int64_t beam = finished_scores.size(1);
+  TORCH_CHECK(s > 0 && n % s == 0 && (n == s || n == s * beam),
+              "beam_search_step: ", n, " rows for ", s, " sentences and beam ", beam);
+  TORCH_CHECK(tokens.size(0) == n && scores.size(0) == n,
+              "beam_search_step: tokens and scores need one row per logprobs row");
+  TORCH_CHECK(logprobs.size(1) >= 2 && eos_id >= 0 && eos_id < logprobs.size(1),
+              "beam_search_step: eos_id ", eos_id, " outside the vocabulary of ", logprobs.size(1));
+  TORCH_CHECK(nbest >= 1 && nbest <= beam, "beam_search_step: nbest must be in [1, ", beam, "]");
+  TORCH_CHECK(finished_tokens.size(0) == batch && finished_tokens.size(1) == beam &&
+                  finished_scores.size(0) == batch && finished_lengths.sizes() == finished_scores.sizes() &&
+                  finished_count.size(0) == batch,
+              "beam_search_step: finished_* must cover the batch of ", batch, " with beam ", beam);
+  TORCH_CHECK(tokens.size(1) <= finished_tokens.size(2) && penalty.size(0) > finished_tokens.size(2),
+              "beam_search_step: prefixes of ", tokens.size(1), " tokens exceed max_len's storage");
+}
+
+StepResult beam_search_step_cpu(FASTATTN_STEP_ARGS) {
+  check_step_arguments(logprobs, tokens, scores, sentences, max_len, penalty, finished_tokens,
+                       finished_scores, finished_lengths, finished_count, eos_id, nbest);
+  const int64_t n = logprobs.size(0), vocab = logprobs.size(1), t = tokens.size(1);
+  const int64_t s = sentences.size(0), k_in = n / s, beam = finished_scores.size(1);
+  const int64_t max_tokens = finished_tokens.size(2);
+  const int64_t num_candidates = std::min(2 * beam, k_in * vocab);
+
+  const float *lp = logprobs.data_ptr<float>();
+  const int64_t *prefix = tokens.data_ptr<int64_t>();
+  const float *prefix_score = scores.data_ptr<float>();
+  const int64_t *sentence = sentences.data_ptr<int64_t>();
+  const int64_t *limit_of = max_len.data_ptr<int64_t>();
+  const double *lp_penalty = penalty.data_ptr<double>();
+  int64_t *fin_tokens = finished_tokens.data_ptr<int64_t>();
+  float *fin_scores = finished_scores.data_ptr<float>();
+  int64_t *fin_lengths = finished_lengths.data_ptr<int64_t>();
+  int64_t *fin_count = finished_count.data_ptr<int64_t>();
+
+  std::vector<LiveBeam> live(s * beam);
+  std::vector<char> done(s), invalid(s);
+
+  at::parallel_for(0, s, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = sentence[i], limit = limit_of[b], first = i * k_in;
+      const bool last = limit == t;
+
+      // Score update and partial top-k in one pass; at the last position only EOS may follow.
+      TopCandidates top(num_candidates);
+      bool valid = true;
+      for (int64_t k = 0; k < k_in; ++k) {
+        const float base = prefix_score[first + k];
+        const float *row = lp + (first + k) * vocab;
+        if (last) {
+          for (int64_t v = 0; v < vocab; ++v) valid &= row[v] <= 0.f;
+          top.offer(base + row[eos_id], k * vocab + eos_id);
+          continue;
+        }
+        for (int64_t v = 0; v < vocab; ++v) {
+          valid &= row[v] <= 0.f;
+          top.offer(base + row[v], k * vocab + v);
+        }
+      }
+      invalid[i] = !valid;
+
+      // Finish EOS among the top beam; back-fill the live beams with the best other candidates.
+      int64_t count = fin_count[b], num_live = 0;
+      const auto &candidates = top.items();
+      for (int64_t j = 0; j < static_cast<int64_t>(candidates.size()); ++j) {
+        const Candidate &c = candidates[j];
+        const int64_t token = c.index % vocab, row = first + c.index / vocab;
+        if (token == eos_id) {
+          if (j < beam && c.score > kNegInf && count < beam) {
+            int64_t *out = fin_tokens + (b * beam + count) * max_tokens;
+            std::copy(prefix + row * t + 1, prefix + (row + 1) * t, out);
+            out[t - 1] = eos_id;
+            fin_scores[b * beam + count] = static_cast<float>(c.score / lp_penalty[t]);
+            fin_lengths[b * beam + count] = t;
+            ++count;
+          }
+        } else if (num_live < beam) {
+          live[i * beam + num_live++] = LiveBeam{row, token, c.score};
+        }
+      }
+      for (; num_live < beam; ++num_live) live[i * beam + num_live] = LiveBeam{first, eos_id, kNegInf};
+      fin_count[b] = count;
+
+      // Done: beam hypotheses, max_len reached, no live prefix, or the bound of search.py.
+      float best_live = kNegInf;
+      for (int64_t k = 0; k < beam; ++k) best_live = std::max(best_live, live[i * beam + k].score);
+      bool hopeless = false;
+      if (count >= nbest) {
+        std::vector<float> finished(fin_scores + b * beam, fin_scores + b * beam + count);
+        std::nth_element(finished.begin(), finished.begin() + nbest - 1, finished.end(),
+                         std::greater<float>());
+        const double most_penalty = std::max(lp_penalty[std::min(limit, t + 1)], lp_penalty[limit]);
+        hopeless = finished[nbest - 1] >= static_cast<float>(best_live / most_penalty);
+      }
+      done[i] = count >= beam || last || best_live == kNegInf || hopeless;
+    }
+  });
+  TORCH_CHECK_VALUE(std::none_of(invalid.begin(), invalid.end(), [](char x) { return x; }),
+              "step_fn returned NaN or positive values, not log-probabilities");
+
+  // Compaction: the live beams of unfinished sentences, in order, become the next rows.
+  std::vector<int64_t> kept;
+  for (int64_t i = 0; i < s; ++i)
+    if (!done[i]) kept.push_back(i);
+  const int64_t s_next = static_cast<int64_t>(kept.size()), n_next = s_next * beam;
+  const auto long_options = tokens.options();
+  at::Tensor next_tokens = at::empty({n_next, t + 1}, long_options);
+  at::Tensor next_scores = at::empty({n_next}, scores.options());
+  at::Tensor reorder = at::empty({n_next}, long_options);
+  at::Tensor next_sentences = at::empty({s_next}, long_options);
+  int64_t *out_tokens = next_tokens.data_ptr<int64_t>(), *out_reorder = reorder.data_ptr<int64_t>();
+  float *out_scores = next_scores.data_ptr<float>();
+  int64_t *out_sentences = next_sentences.data_ptr<int64_t>();
+  at::parallel_for(0, s_next, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      out_sentences[i] = sentence[kept[i]];
+      for (int64_t k = 0; k < beam; ++k) {
+        const LiveBeam &l = live[kept[i] * beam + k];
+        const int64_t r = i * beam + k;
+        std::copy(prefix + l.row * t, prefix + (l.row + 1) * t, out_tokens + r * (t + 1));
+        out_tokens[r * (t + 1) + t] = l.token;
+        out_scores[r] = l.score;
+        out_reorder[r] = l.row;
+      }
+    }
+  });
+  return {next_tokens, next_scores, reorder, next_sentences};
+}
+
+}  // namespace fastattn
