@@ -18,7 +18,8 @@ torch's generator, so torch.manual_seed reproduces it) with the element's (colum
 counter; the backward regenerates the same mask instead of storing it. The backward recomputes
 the sum from x and residual (both are kept alive by the caller anyway) and the saved fp32 mean
 and rstd; dweight and dbias are summed from fp32 per-program partials, with no atomics, so they
-are deterministic.
+are deterministic. Rows wider than BWD_MAX_BLOCK take a two-pass backward over column chunks
+(the second pass rereads the row from L2), so no configuration spills registers.
 """
 
 from __future__ import annotations
@@ -80,6 +81,34 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
+def _recompute_xhat(X, R, Seed, row, cols, mask, stride_x, stride_r, mean, rstd, dropout_p,
+                    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """xhat = (r + x * keep / (1 - p) - mean) * rstd of row's `cols`, and the keep mask."""
+    s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    keep = mask
+    if HAS_DROPOUT:
+        keep = _keep_mask(tl.load(Seed), row, cols, dropout_p)
+        s = tl.where(keep, s / (1.0 - dropout_p), 0.0)
+    if HAS_RESIDUAL:
+        s += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+    return tl.where(mask, (s - mean) * rstd, 0.0), keep
+
+
+@triton.jit
+def _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
+                       stride_dx, dropout_p, HAS_DSUM: tl.constexpr,
+                       STORE_DRESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
+    """Adds the returned sum's gradient to ds; stores dresidual = ds, dx = ds * keep / (1 - p)."""
+    if HAS_DSUM:
+        ds += tl.load(DSUM + row * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
+    if STORE_DRESIDUAL:
+        tl.store(DR + row * stride_dr + cols, ds.to(DR.dtype.element_ty), mask=mask)
+    if HAS_DROPOUT:
+        ds = tl.where(keep, ds / (1.0 - dropout_p), 0.0)
+    tl.store(DX + row * stride_dx + cols, ds.to(DX.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _layer_norm_bwd_kernel(
     DY, DSUM, X, R, W, Mean, Rstd, Seed, DX, DR, DW, DB,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
@@ -88,7 +117,8 @@ def _layer_norm_bwd_kernel(
     HAS_DROPOUT: tl.constexpr, HAS_DSUM: tl.constexpr, STORE_DRESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """A contiguous block of rows per program; dW, dB partials of the block in fp32.
+    """A contiguous block of rows per program, each row held in registers; the block's dW, dB
+    partials accumulate in registers (fp32).
 
     xhat = (s - mean) * rstd,  g = dy * w
     ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dsum     (dsum: grad of the returned sum)
@@ -100,18 +130,12 @@ def _layer_norm_bwd_kernel(
     mask = cols < N
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_DROPOUT:
-        seed = tl.load(Seed)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2**31
     for row in range(row_start, tl.minimum(row_start + rows_per_program, M)):
-        s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_DROPOUT:
-            keep = _keep_mask(seed, row, cols, dropout_p)
-            s = tl.where(keep, s / (1.0 - dropout_p), 0.0)
-        if HAS_RESIDUAL:
-            s += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(Rstd + row)
-        xhat = tl.where(mask, (s - tl.load(Mean + row)) * rstd, 0.0)
+        xhat, keep = _recompute_xhat(X, R, Seed, row, cols, mask, stride_x, stride_r,
+                                     tl.load(Mean + row), rstd, dropout_p,
+                                     HAS_RESIDUAL, HAS_DROPOUT)
         g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
             db += g
@@ -119,21 +143,83 @@ def _layer_norm_bwd_kernel(
             dw += g * xhat
             g *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         ds = (g - (xhat * tl.sum(g * xhat, axis=0) + tl.sum(g, axis=0)) / N) * rstd
-        if HAS_DSUM:
-            ds += tl.load(DSUM + row * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
-        if STORE_DRESIDUAL:
-            tl.store(DR + row * stride_dr + cols, ds.to(DR.dtype.element_ty), mask=mask)
-        if HAS_DROPOUT:
-            ds = tl.where(keep, ds / (1.0 - dropout_p), 0.0)
-        tl.store(DX + row * stride_dx + cols, ds.to(DX.dtype.element_ty), mask=mask)
+        _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
+                           stride_dx, dropout_p, HAS_DSUM, STORE_DRESIDUAL, HAS_DROPOUT)
     if HAS_WEIGHT:
         tl.store(DW + pid * N + cols, dw, mask=mask)
     if HAS_BIAS:
         tl.store(DB + pid * N + cols, db, mask=mask)
 
 
+@triton.jit
+def _layer_norm_bwd_wide_kernel(
+    DY, DSUM, X, R, W, Mean, Rstd, Seed, DX, DR, DW, DB,
+    stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
+    M, N, rows_per_program, dropout_p,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, HAS_DSUM: tl.constexpr, STORE_DRESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The same math for rows wider than registers hold with their partials: BLOCK_N-column
+    chunks, two passes per row. Pass 1 sums g * xhat and g, and adds dy * xhat, dy to this
+    program's own dW, dB partial rows in global memory; pass 2 rereads the row (from L2) and
+    stores the input gradients."""
+    pid = tl.program_id(0)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        if HAS_WEIGHT:
+            tl.store(DW + pid * N + cols, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=cols < N)
+        if HAS_BIAS:
+            tl.store(DB + pid * N + cols, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=cols < N)
+    row_start = pid.to(tl.int64) * rows_per_program
+    for row in range(row_start, tl.minimum(row_start + rows_per_program, M)):
+        mean, rstd = tl.load(Mean + row), tl.load(Rstd + row)
+        sum_g_xhat = 0.0
+        sum_g = 0.0
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            xhat, keep = _recompute_xhat(X, R, Seed, row, cols, mask, stride_x, stride_r, mean,
+                                         rstd, dropout_p, HAS_RESIDUAL, HAS_DROPOUT)
+            g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:  # each thread rereads what it wrote, in the same layout
+                tl.store(DB + pid * N + cols, tl.load(DB + pid * N + cols, mask=mask) + g,
+                         mask=mask)
+            if HAS_WEIGHT:
+                tl.store(DW + pid * N + cols,
+                         tl.load(DW + pid * N + cols, mask=mask) + g * xhat, mask=mask)
+                g *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            sum_g_xhat += tl.sum(g * xhat, axis=0)
+            sum_g += tl.sum(g, axis=0)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            mask = cols < N
+            xhat, keep = _recompute_xhat(X, R, Seed, row, cols, mask, stride_x, stride_r, mean,
+                                         rstd, dropout_p, HAS_RESIDUAL, HAS_DROPOUT)
+            g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                g *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+            ds = (g - (xhat * sum_g_xhat + sum_g) / N) * rstd
+            _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
+                               stride_dx, dropout_p, HAS_DSUM, STORE_DRESIDUAL, HAS_DROPOUT)
+
+
 def _num_warps(block_n: int) -> int:
+    """Forward: at most 32 fp32 elements of a row per thread."""
     return min(max(block_n // 512, 1), 16)
+
+
+BWD_MAX_BLOCK = 4096  # widest row the one-pass backward holds in registers with its partials
+WIDE_BLOCK = 2048  # column chunk of the two-pass backward
+
+
+def _bwd_config(n: int) -> tuple:
+    """(kernel, BLOCK_N, num_warps) of the backward for rows of n features: at most 8 elements
+    per thread, which keeps the register-resident kernel within 128 registers."""
+    block_n = triton.next_power_of_2(n)
+    if block_n <= BWD_MAX_BLOCK:
+        return _layer_norm_bwd_kernel, block_n, min(max(block_n // 256, 1), 16)
+    return _layer_norm_bwd_wide_kernel, WIDE_BLOCK, WIDE_BLOCK // 256
 
 
 def _num_programs(x: torch.Tensor, rows: int) -> int:
@@ -214,17 +300,17 @@ def _layer_norm_residual_bwd(
     store_dr = _separate_dresidual(x, residual, dropout_p)
     dr = torch.empty_like(residual) if store_dr else _empty(x)
     programs = _num_programs(x, M)
-    partial = lambda on: torch.empty((programs, N), dtype=torch.float32, device=x.device) if on else _empty(x)
+    partial = lambda on: x.new_empty((programs, N) if on else 0, dtype=torch.float32)
     dw, db = partial(weight is not None), partial(has_bias)
-    block_n = triton.next_power_of_2(N)
-    _layer_norm_bwd_kernel[(programs,)](
+    kernel, block_n, num_warps = _bwd_config(N)
+    kernel[(programs,)](
         dy, dsum, x, residual, weight, mean, rstd, seed, dx, dr, dw, db,
         dy.stride(0), 0 if dsum is None else dsum.stride(0), x.stride(0),
-        0 if residual is None else residual.stride(0), dx.stride(0), dr.stride(0) if store_dr else 0,
-        M, N, triton.cdiv(M, programs), dropout_p,
+        0 if residual is None else residual.stride(0), dx.stride(0),
+        dr.stride(0) if store_dr else 0, M, N, triton.cdiv(M, programs), dropout_p,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
         HAS_DROPOUT=dropout_p > 0, HAS_DSUM=dsum is not None, STORE_DRESIDUAL=store_dr,
-        BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        BLOCK_N=block_n, num_warps=num_warps,
     )
     return dx, dr, dw.sum(0) if weight is not None else dw, db.sum(0) if has_bias else db
 
@@ -232,7 +318,8 @@ def _layer_norm_residual_bwd(
 @_layer_norm_residual_bwd.register_fake
 def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p):
     N = x.shape[1]
-    dr = torch.empty_like(residual) if _separate_dresidual(x, residual, dropout_p) else x.new_empty(0)
+    separate = _separate_dresidual(x, residual, dropout_p)
+    dr = torch.empty_like(residual) if separate else x.new_empty(0)
     dw = x.new_empty(N if weight is not None else 0, dtype=torch.float32)
     db = x.new_empty(N if has_bias else 0, dtype=torch.float32)
     return torch.empty_like(x), dr, dw, db
@@ -373,8 +460,7 @@ def forward_bytes(
 
 
 def compile_configs() -> list[dict]:
-    """Every block size the launchers pick, each with all features on (the most registers)."""
-    configs = []
+    """Every (kernel, block size, warps) the launchers pick, all features on (most registers)."""
     fwd_signature = {
         "X": "*fp16", "R": "*fp16", "W": "*fp32", "B": "*fp32", "Y": "*fp16", "S": "*fp16",
         "Mean": "*fp32", "Rstd": "*fp32", "Seed": "*i64",
@@ -390,17 +476,24 @@ def compile_configs() -> list[dict]:
         "M": "i32", "N": "i32", "rows_per_program": "i32", "dropout_p": "fp32",
     }
     flags = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DROPOUT=True)
-    for log2 in range(0, MAX_FEATURES.bit_length()):
-        block_n = 2**log2
-        for name, fn, signature, extra in (
-            ("layer_norm_fwd", _layer_norm_fwd_kernel, fwd_signature, dict(STORE_SUM=True)),
-            ("layer_norm_bwd", _layer_norm_bwd_kernel, bwd_signature,
-             dict(HAS_DSUM=True, STORE_DRESIDUAL=True)),
-        ):
-            constexprs = {**flags, **extra, "BLOCK_N": block_n}
-            configs.append(dict(
-                name=f"{name}_N{block_n}", fn=fn,
-                signature={**signature, **{k: "constexpr" for k in constexprs}},
-                constexprs=constexprs, num_warps=_num_warps(block_n), num_stages=1,
-            ))
-    return configs
+    bwd_flags = dict(flags, HAS_DSUM=True, STORE_DRESIDUAL=True)
+    launches = []
+    for log2 in range(MAX_FEATURES.bit_length()):
+        n = 2**log2
+        launches.append(("layer_norm_fwd", _layer_norm_fwd_kernel, fwd_signature,
+                         dict(flags, STORE_SUM=True, BLOCK_N=n), _num_warps(n)))
+        if n <= BWD_MAX_BLOCK:
+            kernel, block_n, num_warps = _bwd_config(n)
+            launches.append(("layer_norm_bwd", kernel, bwd_signature,
+                             dict(bwd_flags, BLOCK_N=block_n), num_warps))
+    kernel, block_n, num_warps = _bwd_config(MAX_FEATURES)
+    launches.append(("layer_norm_bwd_wide", kernel, bwd_signature,
+                     dict(bwd_flags, BLOCK_N=block_n), num_warps))
+    return [
+        dict(
+            name=f"{name}_N{constexprs['BLOCK_N']}", fn=fn,
+            signature={**signature, **{k: "constexpr" for k in constexprs}},
+            constexprs=constexprs, num_warps=num_warps, num_stages=1,
+        )
+        for name, fn, signature, constexprs, num_warps in launches
+    ]

@@ -93,8 +93,9 @@ def test_matches_float64_reference(n, dtype):
     "parts",
     [dict(residual=False), dict(weight=False, bias=False), dict(bias=False), dict(weight=False)],
 )
-def test_optional_residual_weight_bias(parts):
-    _compare(1000, torch.float32, **parts)
+@pytest.mark.parametrize("n", [1000, 4099])  # the one-pass and the two-pass (wide) backward
+def test_optional_residual_weight_bias(parts, n):
+    _compare(n, torch.float32, **parts)
 
 
 def test_mixed_dtypes_promote():
