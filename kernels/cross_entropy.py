@@ -479,3 +479,30 @@ def linear_cross_entropy(
     )
     loss = loss.to(hidden.dtype)
     return (loss, nll.detach()) if return_nll else loss
+
+
+def compile_configs() -> list[dict]:
+    """Every (kernel, BLOCK_V, warps) the launchers pick, for fp16 logits."""
+    fwd_signature = {
+        "Logits": "*fp16", "Target": "*i64", "Loss": "*fp32", "Nll": "*fp32", "Lse": "*fp32",
+        "stride": "i32", "V": "i32", "smoothing": "fp32", "ignore_index": "i32",
+    }
+    bwd_signature = {
+        "Logits": "*fp16", "Target": "*i64", "Lse": "*fp32", "GradRows": "*fp32",
+        "DLogits": "*fp16", "stride": "i32", "stride_d": "i32", "stride_g": "i32", "V": "i32",
+        "smoothing": "fp32", "ignore_index": "i32",
+    }
+    configs = []
+    for log2 in range(MAX_BLOCK_V.bit_length()):
+        launch = _launch_config(2**log2)
+        for name, fn, signature in (
+            ("cross_entropy_fwd", _cross_entropy_fwd_kernel, fwd_signature),
+            ("cross_entropy_bwd", _cross_entropy_bwd_kernel, bwd_signature),
+        ):
+            configs.append(dict(
+                name=f"{name}_V{launch['BLOCK_V']}", fn=fn,
+                signature={**signature, "BLOCK_V": "constexpr"},
+                constexprs={"BLOCK_V": launch["BLOCK_V"]}, num_warps=launch["num_warps"],
+                num_stages=1,
+            ))
+    return configs
