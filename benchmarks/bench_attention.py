@@ -91,11 +91,10 @@ def test_attention_memory(benchmark, impl, length):
     measure(
         benchmark,
         attention_call(impl, 1, heads, length, head_dim, torch.float32, False, True),
-        group=f"attention memory fwd+bwd float32 B=1 H={heads} L={length} D={head_dim}",
+        group=f"attention_memory fwd+bwd float32 B=1 H={heads} L={length} D={head_dim}",
         flop=attention_flop(1, heads, length, length, head_dim, causal=False, backward=True),
         min_rounds=3,
         impl=impl,
         baseline="sdpa",
-        sweep="attention_memory",
         length=length,
     )

@@ -3,16 +3,13 @@ forward+backward, reported as effective bandwidth: the bytes the fused kernel mu
 by each implementation's time (so the rates compare like the times do). The unfused chain's bytes
 are recorded beside them.
 
-Bytes per element of size s, for rows of E features (per-row mean/rstd and the (E,) parameters
-are included; dropout masks are 1 byte per element in PyTorch, regenerated from a seed in the
-fused kernel):
-  forward    fused: read x, residual; write y                        3s
-             unfused: dropout read x, write h and mask; add read h, residual, write sum;
-                      layer_norm read sum, write y                     7s + 1 (5s without dropout)
-  backward   fused: read dy, the saved sum; write d(sum) (and dx through the dropout mask)
-                                                                       3s (4s with dropout)
-             unfused: layer_norm backward read dy, sum, write d(sum); dropout backward read
-                      d(sum) and the mask, write dx                   5s + 1 (3s without dropout)
+Forward bytes come from fastattn.kernels.layer_norm.forward_bytes (fused 3e per element, unfused
+5e, or 7e+1 with dropout's 1-byte mask). Backward bytes per element of size e, added here:
+  fused    read dy, x, residual (the kernel recomputes the sum); write d(sum), and dx separately
+           when dropout makes it differ                                       4e (5e with dropout)
+  unfused  layer_norm backward reads dy and the sum, writes d(sum); dropout backward reads
+           d(sum) and the mask, writes dx                                     3e (5e+1 with dropout)
+plus the fp32 row statistics read again and dweight, dbias written.
 """
 
 from __future__ import annotations
@@ -20,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fastattn.kernels.layer_norm import forward_bytes
 
 from benchmarks.common import DEVICE, DTYPES, QUICK, measure
 from fastattn.ops import layer_norm_residual
@@ -32,16 +30,15 @@ CASES = (
 )
 
 
-def bytes_moved(rows: int, features: int, size: int, dropout: bool, backward: bool, fused: bool):
-    elements = rows * features
-    if fused:
-        per_element = 3 * size + (3 * size + (size if dropout else 0) if backward else 0)
-    else:
-        forward = 7 * size + 1 if dropout else 5 * size
-        per_element = forward + ((5 * size + 1 if dropout else 3 * size) if backward else 0)
-    row_stats = rows * 2 * 4 * (2 if backward else 1)
-    parameters = features * size * (2 + (2 if backward else 0))
-    return elements * per_element + row_stats + parameters
+def bytes_moved(rows: int, features: int, dtype: torch.dtype, dropout: bool, backward: bool):
+    """(fused, unfused) bytes of one forward or forward+backward."""
+    fused, unfused = forward_bytes((rows, features), dtype, dropout=dropout)
+    if backward:
+        e, elements = torch.finfo(dtype).bits // 8, rows * features
+        params = 2 * features * e + rows * 8  # dweight, dbias written; mean, rstd read
+        fused += elements * e * (5 if dropout else 4) + params
+        unfused += elements * (5 * e + 1 if dropout else 3 * e) + params
+    return fused, unfused
 
 
 def torch_layer_norm_residual(x, residual, weight, bias, dropout_p):
@@ -64,12 +61,8 @@ def test_layer_norm_residual(benchmark, impl, rows, features, dropout_p, backwar
     def tensor(*shape):
         return torch.randn(*shape, device=DEVICE, dtype=torch_dtype, requires_grad=backward)
 
-    x, residual, weight, bias = (
-        tensor(rows, features),
-        tensor(rows, features),
-        tensor(features),
-        tensor(features),
-    )
+    x, residual = tensor(rows, features), tensor(rows, features)
+    weight, bias = tensor(features), tensor(features)
     fn = IMPLS[impl]
     if backward:
         grad_out = torch.randn_like(x)
@@ -77,14 +70,14 @@ def test_layer_norm_residual(benchmark, impl, rows, features, dropout_p, backwar
         call = lambda: torch.autograd.grad(fn(*inputs, dropout_p), inputs, grad_out)
     else:
         call = lambda: fn(x, residual, weight, bias, dropout_p)
-    size = x.element_size()
+    fused_bytes, unfused_bytes = bytes_moved(rows, features, torch_dtype, dropout_p > 0, backward)
     mode = "fwd+bwd" if backward else "fwd"
     measure(
         benchmark,
         call,
         group=f"layer_norm_residual {mode} {dtype} N={rows} E={features} dropout={dropout_p}",
-        bytes_moved=bytes_moved(rows, features, size, dropout_p > 0, backward, fused=True),
-        bytes_moved_unfused=bytes_moved(rows, features, size, dropout_p > 0, backward, fused=False),
+        bytes_moved=fused_bytes,
+        bytes_moved_unfused=unfused_bytes,
         impl=impl,
         baseline="torch",
     )

@@ -1,10 +1,12 @@
 """The measurement protocol every benchmark follows: one device, one timing rule, one honest peak
 memory figure, and the device's peak FLOP/s for utilisation.
 
-Timing: two untimed calls (lazy initialisation, allocator warm-up, autotuning), then rounds of
-`iterations` calls each, sized so a round lasts about ROUND_SECONDS and the whole benchmark
-about BUDGET_SECONDS, never fewer than MIN_ROUNDS rounds. CUDA work is synchronised inside every
-timed call. FASTATTN_BENCH_QUICK=1 shrinks shapes and rounds to a smoke run (numbers meaningless).
+Timing: two untimed calls (lazy initialisation, allocator warm-up, autotuning), one untimed
+warm-up round for calls under a second, then rounds of `iterations` calls each, sized so a round
+lasts about ROUND_SECONDS and the whole benchmark about BUDGET_SECONDS, never fewer than
+MIN_ROUNDS rounds (callers lower that for calls of several seconds). CUDA work is synchronised
+inside every timed call. FASTATTN_BENCH_QUICK=1 shrinks shapes and rounds to a smoke run (its
+numbers mean nothing).
 
 Peak memory: bytes allocated by one call above what was allocated when it started, at the
 high-water mark. On CUDA from torch.cuda.max_memory_allocated; on CPU from the allocation events
@@ -78,7 +80,8 @@ def measure(
     benchmark.group = group
     benchmark.extra_info.update(info)
     benchmark.extra_info["peak_memory_bytes"] = peak_memory(fn)
-    benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=1)
+    warmup_rounds = 1 if once * iterations < 1.0 else 0
+    benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=warmup_rounds)
     if benchmark.stats is None:  # --benchmark-disable: nothing was timed
         return
     median = benchmark.stats.stats.median

@@ -1,0 +1,447 @@
+"""Runs the benchmark suite and writes BENCHMARKS.md from its results.
+
+    python -m benchmarks.report                    # run everything, then write BENCHMARKS.md
+    python -m benchmarks.report --json PATH        # only rewrite BENCHMARKS.md from saved results
+    python -m benchmarks.report --quick            # smoke run: tiny shapes, meaningless numbers
+    python -m benchmarks.report -- -k attention    # arguments after -- go to pytest
+
+A run is `pytest benchmarks/ --benchmark-only --benchmark-json=benchmarks/results.json`; the
+static GPU compile report (python -m fastattn.kernels.compile_report --json) joins it, and a
+roofline projection of the training step on P100, V100, A100 and H100 follows, kept apart from
+everything measured.
+
+Conventions the tables rely on, for every bench_*.py: the benchmark's group names the case and
+starts with the family ("attention fwd float32 ..."); extra_info["impl"] names the
+implementation and extra_info["baseline"] the impl of the same group that ratios are taken
+against (speed-up = baseline median / median); extra_info may carry flop_per_s, bytes_per_s,
+tokens_per_s, mfu, peak_memory_bytes and any other *_per_s rate, each shown when present.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results.json"
+OUTPUT = ROOT / "BENCHMARKS.md"
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+def run_suite(results: Path, quick: bool, pytest_args: list[str]) -> tuple[int, float]:
+    """Runs the benchmarks into `results`; returns pytest's exit code and the wall time."""
+    env = {**os.environ, "FASTATTN_BENCH_QUICK": "1" if quick else "0"}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(ROOT / "benchmarks"),
+        "--benchmark-only",
+        f"--benchmark-json={results}",
+        "-p",
+        "no:cacheprovider",
+        *pytest_args,
+    ]
+    print("$", " ".join(command), flush=True)
+    start = time.perf_counter()
+    code = subprocess.run(command, cwd=ROOT, env=env).returncode
+    return code, time.perf_counter() - start
+
+
+def run_compile_report() -> tuple[list[dict] | None, str]:
+    """The static GPU compile report as JSON rows, or None and why it could not run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "compile.json"
+        command = [sys.executable, "-m", "fastattn.kernels.compile_report", "--json", str(path)]
+        print("$", " ".join(command[1:]), flush=True)
+        out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        if out.returncode != 0 or not path.exists():
+            tail = (out.stderr or out.stdout).strip().splitlines()[-1:] or ["no output"]
+            return None, f"`python -m fastattn.kernels.compile_report` failed: {tail[0]}"
+        return json.loads(path.read_text()), ""
+
+
+# --- formatting ------------------------------------------------------------------------------
+
+
+def seconds(x: float) -> str:
+    if x >= 1:
+        return f"{x:.3g} s"
+    if x >= 1e-3:
+        return f"{x * 1e3:.3g} ms"
+    return f"{x * 1e6:.3g} µs"
+
+
+def rate(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if x >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}/s"
+    return f"{x:.3g} {unit}/s"
+
+
+def mebibytes(x: float) -> str:
+    return f"{x / 2**20:,.1f} MiB" if x >= 2**20 else f"{x / 2**10:,.1f} KiB"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# Optional columns: extra_info key -> (title, formatter).
+COLUMNS = {
+    "flop_per_s": ("FLOP/s", lambda v: rate(v, "FLOP")),
+    "bytes_per_s": ("bandwidth", lambda v: rate(v, "B")),
+    "tokens_per_s": ("tokens/s", lambda v: f"{v:,.0f}"),
+    "mfu": ("MFU", lambda v: f"{100 * v:.1f}%"),
+    "peak_memory_bytes": ("peak memory", mebibytes),
+}
+
+
+# --- measured results ------------------------------------------------------------------------
+
+
+def family(bench: dict) -> str:
+    return (bench.get("group") or bench["name"]).split(" ")[0]
+
+
+def impl(bench: dict) -> str:
+    return str(bench["extra_info"].get("impl", bench.get("param") or bench["name"]))
+
+
+def measured_tables(benchmarks: list[dict]) -> list[str]:
+    families: dict[str, list[dict]] = defaultdict(list)
+    for bench in benchmarks:
+        families[family(bench)].append(bench)
+    medians = {(b.get("group"), impl(b)): b["stats"]["median"] for b in benchmarks}
+    out = []
+    for name, benches in families.items():
+        keys = [k for k in COLUMNS if any(k in b["extra_info"] for b in benches)]
+        keys += sorted(
+            {k for b in benches for k in b["extra_info"] if k.endswith("_per_s")} - set(keys)
+        )
+        baselines = sorted(
+            {b["extra_info"]["baseline"] for b in benches if "baseline" in b["extra_info"]}
+        )
+        header = ["case", "impl", "median", "spread (IQR/2)", "rounds × iters"]
+        header += [f"speed-up vs {' / '.join(baselines)}"] if baselines else []
+        header += [COLUMNS[k][0] if k in COLUMNS else k for k in keys]
+        rows = []
+        order = {g: i for i, g in enumerate(dict.fromkeys(b.get("group") for b in benches))}
+        for b in sorted(benches, key=lambda b: order[b.get("group")]):  # stable: run order
+            s, info = b["stats"], b["extra_info"]
+            row = [
+                (b.get("group") or b["name"]).removeprefix(name).strip() or "–",
+                impl(b),
+                seconds(s["median"]),
+                f"±{50 * s['iqr'] / s['median']:.1f}%",
+                f"{s['rounds']} × {s['iterations']}",
+            ]
+            if baselines:
+                base = medians.get((b.get("group"), info.get("baseline")))
+                row.append(f"{base / s['median']:.2f}×" if base else "–")
+            for k in keys:
+                v = info.get(k)
+                fmt = COLUMNS[k][1] if k in COLUMNS else (lambda v: f"{v:,.3g}")
+                row.append(fmt(v) if isinstance(v, int | float) else "–")
+            rows.append(row)
+        out.append(f"### {name}\n\n{table(header, rows)}")
+    return out
+
+
+def memory_growth(benchmarks: list[dict]) -> str | None:
+    """Peak memory of attention against sequence length, with the fitted exponent."""
+    sweep = [b for b in benchmarks if family(b) == "attention_memory"]
+    if not sweep:
+        return None
+    peaks: dict[str, dict[int, float]] = defaultdict(dict)
+    for b in sweep:
+        peaks[impl(b)][b["extra_info"]["length"]] = b["extra_info"]["peak_memory_bytes"]
+    lengths = sorted({n for p in peaks.values() for n in p})
+    rows = [
+        [str(n)] + [mebibytes(peaks[i][n]) if n in peaks[i] else "–" for i in peaks]
+        for n in lengths
+    ]
+    rows.append(["growth: peak ∝ L^k, k ="] + [f"{exponent(peaks[i]):.2f}" for i in peaks])
+    return (
+        "Extra memory of one forward+backward (B=1, H=8, D=64, fp32) above its inputs, as the "
+        "sequence grows; k is the least-squares slope of log(peak) against log(L) (1 = linear, "
+        "2 = quadratic).\n\n" + table(["L"] + list(peaks), rows)
+    )
+
+
+def exponent(points: dict[int, float]) -> float:
+    xs = [math.log(n) for n in points]
+    ys = [math.log(max(p, 1.0)) for p in points.values()]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return (
+        sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else float("nan")
+    )
+
+
+def step_targets(benchmarks: list[dict], device: str) -> str | None:
+    """Measured seconds per step beside the paper's P100 targets, which are not measured."""
+    steps = [b for b in benchmarks if "gpu_target_s" in b["extra_info"]]
+    if not steps:
+        return None
+    rows = []
+    for b in steps:
+        info = b["extra_info"]
+        rows.append(
+            [
+                info["preset"],
+                info.get("precision", "–"),
+                f"{info['tokens']:,}",
+                seconds(b["stats"]["median"]),
+                f"±{50 * b['stats']['iqr'] / b['stats']['median']:.1f}%",
+                f"{100 * info['mfu']:.1f}%" if "mfu" in info else "–",
+                f"{info['gpu_target_s']} s on one of 8 P100 — not measured here",
+            ]
+        )
+    return table(
+        [
+            "preset",
+            "precision",
+            "tokens/step",
+            f"s/step on {device}",
+            "spread",
+            "MFU",
+            "paper target (per-GPU batch)",
+        ],
+        rows,
+    )
+
+
+# --- projection ------------------------------------------------------------------------------
+
+
+def projection() -> str:
+    """Roofline lower bounds of the step time on GPUs, from the cost model (not measured)."""
+    from benchmarks.gpus import GPUS
+    from benchmarks.step_cost import PAPER_BATCH, model_flop, paper_shape, roofline_seconds
+
+    shapes = {name: paper_shape(name) for name in ("base", "big")}
+    targets = {"base": 0.4, "big": 1.0}
+    rows = []
+    for gpu in GPUS:
+        row = [gpu.name]
+        for shape in shapes.values():
+            fp32 = roofline_seconds(
+                shape,
+                matmul_flop_per_s=gpu.fp32,
+                other_flop_per_s=gpu.fp32,
+                bytes_per_s=gpu.bandwidth,
+                e=4,
+            )
+            half = roofline_seconds(
+                shape,
+                matmul_flop_per_s=gpu.half,
+                other_flop_per_s=gpu.fp32,
+                bytes_per_s=gpu.bandwidth,
+                e=2,
+            )
+            row += [seconds(fp32), f"{seconds(half)} ({gpu.half_dtype})"]
+        rows.append(row)
+    header = ["GPU"] + [f"{n} {p}" for n in shapes for p in ("fp32", "mixed")]
+    flops = ", ".join(
+        f"{n} {model_flop(s) / 1e12:.2f} TFLOP per step "
+        f"(the paper's {targets[n]} s on a P100 is {model_flop(s) / targets[n] / GPUS[0].fp32:.0%}"
+        " of its fp32 peak)"
+        for n, s in shapes.items()
+    )
+    return (
+        "**Projection, not a measurement.** Lower bounds on one training step at the paper's "
+        f"per-GPU batch ({PAPER_BATCH}), from the op-by-op FLOP and bytes of "
+        "`benchmarks/step_cost.py`: each op at the slower of peak compute and peak bandwidth "
+        "(published dense figures in `benchmarks/gpus.py`), no launch overhead, no "
+        "communication. Real steps take longer; no GPU was used to produce this table. "
+        f"Model FLOPs: {flops}.\n\n" + table(header, rows)
+    )
+
+
+def compile_summary(rows: list[dict]) -> str:
+    per: dict[tuple[str, int], list[dict]] = defaultdict(list)
+    for r in rows:
+        per[(r["module"].rsplit(".", 1)[-1], r["arch"])].append(r)
+    summary = [
+        [
+            module,
+            f"sm_{arch}",
+            str(len(rs)),
+            str(max(r["registers"] for r in rs)),
+            str(sum(r["spill_bytes"] > 0 for r in rs)),
+            mebibytes(max(r["shared_bytes"] for r in rs)),
+            f"{sum(r['mma'] or r['wgmma'] for r in rs)}/{len(rs)}",
+        ]
+        for (module, arch), rs in sorted(per.items())
+    ]
+    detail = [
+        [
+            r["module"].rsplit(".", 1)[-1],
+            r["name"],
+            f"sm_{r['arch']}",
+            str(r["num_warps"]),
+            str(r["num_stages"]),
+            str(r["registers"]),
+            str(r["spill_bytes"]),
+            mebibytes(r["shared_bytes"]),
+            "wgmma" if r["wgmma"] else "mma" if r["mma"] else "no",
+        ]
+        for r in rows
+    ]
+    return (
+        "Every shipped kernel configuration compiled with `triton.compile` for each architecture "
+        "(`python -m fastattn.kernels.compile_report`); static facts of the binaries, no GPU "
+        "run.\n\n"
+        + table(
+            [
+                "kernels",
+                "arch",
+                "configs",
+                "max registers",
+                "configs spilling",
+                "max shared memory",
+                "tensor-core configs",
+            ],
+            summary,
+        )
+        + "\n\n<details><summary>every configuration</summary>\n\n"
+        + table(
+            [
+                "kernels",
+                "config",
+                "arch",
+                "warps",
+                "stages",
+                "registers",
+                "spill bytes",
+                "shared memory",
+                "tensor cores",
+            ],
+            detail,
+        )
+        + "\n\n</details>"
+    )
+
+
+# --- the document ----------------------------------------------------------------------------
+
+
+def render(results: dict, compile_rows: list[dict] | None, compile_problem: str) -> str:
+    env = results["machine_info"].get("fastattn_environment", {})
+    benchmarks = results["benchmarks"]
+    device = env.get("device", "unknown device")
+    commit = results.get("commit_info", {})
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `python -m benchmarks.report` — do not edit by hand; rerun it. Raw results: "
+        "`benchmarks/results.json` (pytest-benchmark JSON).",
+        "",
+    ]
+    if env.get("quick_mode"):
+        lines += ["> **QUICK MODE**: a smoke run on tiny shapes; these numbers mean nothing.", ""]
+    lines += [
+        f"- device: {device}, {env.get('torch_threads')} torch threads; fastattn backend "
+        f"`{env.get('fastattn_backend')}`",
+        f"- torch {env.get('torch')}, triton {env.get('triton')}, fastattn {env.get('fastattn')}, "
+        f"Python {env.get('python')}" + (f", CUDA {env['cuda']}" if env.get("cuda") else ""),
+        f"- date {results.get('datetime', '?')[:19].replace('T', ' ')} UTC, commit "
+        f"{commit.get('id', '?')[:10]}{' (uncommitted changes)' if commit.get('dirty') else ''}",
+    ]
+    for dtype in ("float32", "bfloat16"):
+        if f"peak_{dtype}_basis" in env:
+            lines.append(f"- peak {dtype} for MFU: {env[f'peak_{dtype}_basis']}")
+    if "suite_seconds" in results:
+        lines.append(
+            f"- the suite ran for {results['suite_seconds'] / 60:.1f} min"
+            + (
+                f" (pytest exit code {results['pytest_exit_code']}: some benchmarks "
+                "failed, see its output)"
+                if results.get("pytest_exit_code")
+                else ""
+            )
+        )
+    lines += [
+        "",
+        "Times are medians over rounds (each round the mean of `iters` calls), after two "
+        "untimed warm-up calls and one warm-up round; spread is half the interquartile range "
+        "relative to the median. Speed-up = the baseline's median / this median (> 1: faster). "
+        "FLOP/s and bandwidth credit every implementation of a case with the same useful work "
+        "(see each bench_*.py), so they compare like times. Peak memory is what one call "
+        "allocates above its inputs at its high-water mark (CUDA: max_memory_allocated; CPU: "
+        "torch's allocation events from the profiler).",
+        "",
+        "## Measured",
+        "",
+    ]
+    targets = step_targets(benchmarks, device)
+    if targets:
+        lines += ["### Training step against the paper's targets", "", targets, ""]
+    growth = memory_growth(benchmarks)
+    if growth:
+        lines += ["### Attention memory as the sequence grows", "", growth, ""]
+    for section in measured_tables(benchmarks):
+        lines += [section, ""]
+    lines += ["## Projected (not measured): roofline step time on GPUs", "", projection(), ""]
+    lines += ["## Static GPU compile report (not measured: compiled, never run)", ""]
+    lines += [
+        compile_summary(compile_rows) if compile_rows else f"Not available: {compile_problem}"
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    pytest_args = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="render these results instead of running")
+    parser.add_argument("--save", type=Path, default=RESULTS, help="where a run writes its JSON")
+    parser.add_argument("--output", type=Path, default=OUTPUT, help="the Markdown to write")
+    parser.add_argument("--quick", action="store_true", help="smoke run: tiny shapes, few rounds")
+    parser.add_argument(
+        "--compile-report",
+        type=Path,
+        metavar="JSON",
+        help="use this compile report JSON instead of running it",
+    )
+    parser.add_argument(
+        "--no-compile-report", action="store_true", help="leave the static GPU compile report out"
+    )
+    args = parser.parse_args(argv)
+
+    if args.json is None:
+        code, wall = run_suite(args.save, args.quick, pytest_args)
+        if not args.save.exists():
+            sys.exit(f"the benchmark run wrote no results (pytest exit code {code})")
+        results = json.loads(args.save.read_text())
+        results["suite_seconds"], results["pytest_exit_code"] = wall, code
+        args.save.write_text(json.dumps(results, indent=1))
+    else:
+        results = json.loads(args.json.read_text())
+
+    if args.no_compile_report:
+        compile_rows, problem = None, "left out (--no-compile-report)"
+    elif args.compile_report:
+        compile_rows, problem = json.loads(args.compile_report.read_text()), ""
+    else:
+        compile_rows, problem = run_compile_report()
+    args.output.write_text(render(results, compile_rows, problem))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
