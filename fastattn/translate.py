@@ -1,0 +1,305 @@
+"""Translation with a trained checkpoint: `python -m fastattn.translate` and fastattn.Translator.
+
+    python -m fastattn.translate --checkpoint CKPT [--beam 4] [--alpha 0.6] [--max-len-a 1]
+        [--max-len-b 50] [--nbest N] [--batch-tokens N] < input > output
+
+Reads raw sentences, one per line, encodes them with the checkpoint's SentencePiece model, sorts
+a bounded window of them by length into batches of about --batch-tokens source tokens, decodes
+each batch with the cached decoder and fastattn.beam_search, and writes the detokenized
+translations in input order as soon as their window is done: memory does not grow with the input.
+Defaults are the paper's: beam 4, α = 0.6 with the GNMT length penalty, at most source length +
+50 tokens (the source length counts the EOS that ends it).
+Output: one translation per line; with --scores "score<TAB>translation"; with --nbest N > 1,
+N lines "line number<TAB>score<TAB>translation" per input line (numbered from 0), best first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastattn.search import LengthPenalty, beam_search, greedy_search
+
+
+@dataclass
+class Translation:
+    text: str
+    """Detokenized."""
+    score: float
+    """Summed log-probability of the tokens and EOS, divided by the length penalty."""
+    tokens: list[int]
+    """Target ids, EOS excluded."""
+
+
+class Translator:
+    """Translates raw sentences with a Transformer and its SentencePiece model.
+
+    >>> translator = Translator.from_checkpoint("checkpoint_final.pt")
+    >>> translator.translate(["A dog runs on the beach."])
+    ['Ein Hund rennt am Strand.']
+
+    `stream(lines)` translates an iterable lazily, `plot_attention` draws attention weights.
+    Search options as in fastattn.beam_search; beam_size 1 is greedy search. max_len of a
+    sentence is max_len_a · source length + max_len_b.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sp,
+        *,
+        beam_size: int = 4,
+        alpha: float = 0.6,
+        length_penalty: LengthPenalty = "gnmt",
+        max_len_a: float = 1.0,
+        max_len_b: int = 50,
+        nbest: int = 1,
+        batch_tokens: int = 4096,
+        window: int = 1000,
+    ) -> None:
+        if not 1 <= nbest <= beam_size:
+            raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
+        if batch_tokens < 1 or window < 1:
+            raise ValueError(f"batch_tokens and window must be >= 1, got {batch_tokens}, {window}")
+        self.model, self.sp = model.eval(), sp
+        self.beam_size, self.alpha, self.length_penalty = beam_size, alpha, length_penalty
+        self.max_len_a, self.max_len_b, self.nbest = max_len_a, max_len_b, nbest
+        self.batch_tokens, self.window = batch_tokens, window
+        self.device = next(model.parameters()).device
+        self.pad_id, self.bos_id, self.eos_id = sp.pad_id(), sp.bos_id(), sp.eos_id()
+
+    @classmethod
+    def from_checkpoint(
+        cls, path: str | Path, device: str | torch.device = "cpu", **options
+    ) -> Translator:
+        from fastattn.checkpoint import load_model
+
+        model, sp, _ = load_model(path, device)
+        return cls(model, sp, **options)
+
+    def translate(self, sentences: Sequence[str]) -> list[str]:
+        """The best translation of each sentence."""
+        return [hypotheses[0].text if hypotheses else "" for hypotheses in self.stream(sentences)]
+
+    def stream(self, lines: Iterable[str]) -> Iterator[list[Translation]]:
+        """The nbest translations of each line, best first, in input order, reading and
+        translating `window` lines at a time."""
+        lines = iter(lines)
+        while window := list(itertools.islice(lines, self.window)):
+            yield from self._translate_window([line.rstrip("\n") for line in window])
+
+    def _translate_window(self, sentences: list[str]) -> list[list[Translation]]:
+        sources = [ids + [self.eos_id] for ids in self.sp.encode(sentences, out_type=int)]
+        results: list[list[Translation]] = [[] for _ in sources]
+        for batch in self._batches(sources):
+            for i, hypotheses in zip(batch, self._search([sources[i] for i in batch]), strict=True):
+                results[i] = hypotheses
+        return results
+
+    def _batches(self, sources: list[list[int]]) -> Iterator[list[int]]:
+        """Indices of sources in batches of similar length, at most batch_tokens tokens with
+        padding (a longer sentence goes alone)."""
+        batch: list[int] = []
+        for i in sorted(range(len(sources)), key=lambda i: len(sources[i])):
+            if batch and (len(batch) + 1) * len(sources[i]) > self.batch_tokens:
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    @torch.inference_mode()
+    def _search(self, sources: list[list[int]]) -> list[list[Translation]]:
+        source = torch.full((len(sources), max(map(len, sources))), self.pad_id, dtype=torch.long)
+        for row, ids in enumerate(sources):
+            source[row, : len(ids)] = torch.tensor(ids)
+        lengths = torch.tensor([len(ids) for ids in sources])
+        max_len = (self.max_len_a * lengths + self.max_len_b).floor().long().clamp(min=1)
+        state = self.model.start_decoding(source.to(self.device), capacity=int(max_len.max()))
+
+        def step_fn(tokens: torch.Tensor, reorder: torch.Tensor | None) -> torch.Tensor:
+            if reorder is not None:
+                state.reorder(reorder)
+            return self.model.decode_step(tokens[:, -1], state)
+
+        options = dict(
+            bos_id=self.bos_id, eos_id=self.eos_id, max_len=max_len.to(self.device),
+            alpha=self.alpha, length_penalty=self.length_penalty,
+        )  # fmt: skip
+        if self.beam_size == 1:
+            found = [[h] if h else [] for h in greedy_search(step_fn, len(sources), **options)]
+        else:
+            found = beam_search(
+                step_fn, len(sources), beam_size=self.beam_size, nbest=self.nbest, **options
+            )
+        return [[self._translation(h.tokens, h.score) for h in hypotheses] for hypotheses in found]
+
+    def _translation(self, tokens: list[int], score: float) -> Translation:
+        tokens = tokens[:-1] if tokens and tokens[-1] == self.eos_id else tokens
+        return Translation(self.sp.decode(tokens), score, tokens)
+
+    # -- attention, as in the paper's Figures 3-5 ----------------------------------------------
+
+    @torch.inference_mode()
+    def attention(
+        self, sentence: str, layer: int, kind: str = "encoder"
+    ) -> tuple[list[str], list[str], torch.Tensor]:
+        """The attention weights (heads, queries, keys) of one layer (0-based) for a sentence:
+        "encoder" self-attention over the source pieces (the paper's Figures 3-5) or "cross"
+        attention of the target pieces of the best translation over the source pieces.
+        Returns (query pieces, key pieces, weights)."""
+        if kind not in ("encoder", "cross"):
+            raise ValueError(f"kind must be 'encoder' or 'cross', got {kind!r}")
+        stack = self.model.encoder.layers if kind == "encoder" else self.model.decoder.layers
+        if not 0 <= layer < len(stack):
+            raise ValueError(f"layer must be in [0, {len(stack)}), got {layer}")
+        source_ids = self.sp.encode(sentence, out_type=int) + [self.eos_id]
+        source = torch.tensor([source_ids], device=self.device)
+        if kind == "encoder":
+            module, run, target_ids = stack[layer].self_attention, self.model.encode, source_ids
+        else:
+            best = self._search([source_ids])[0]
+            target_ids = (best[0].tokens if best else []) + [self.eos_id]
+            target = torch.tensor([[self.bos_id, *target_ids[:-1]]], device=self.device)
+            module, run = stack[layer].cross_attention, lambda s: self.model(s, target)
+        # The fused attention op returns no weights: recompute them from the layer's inputs.
+        inputs = []
+        hook = module.register_forward_pre_hook(lambda _, args: inputs.append(args))
+        try:
+            run(source)
+        finally:
+            hook.remove()
+        if kind == "encoder":
+            q, k, _ = module.qkv(inputs[0][0]).split(module.split, dim=-1)
+        else:
+            x, memory, _ = inputs[0]
+            q, k = module.q(x), module.kv(memory).split(module.split, dim=-1)[0]
+        q, k = (t[0].unflatten(-1, (module.heads, -1)).transpose(0, 1).float() for t in (q, k))
+        weights = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
+        pieces = self.sp.id_to_piece
+        return pieces(target_ids), pieces(source_ids), weights.cpu()
+
+    def plot_attention(
+        self,
+        sentence: str,
+        path: str | Path,
+        layer: int | None = None,
+        heads: Sequence[int] | None = None,
+        kind: str = "encoder",
+    ) -> None:
+        """Heatmaps of `heads` (0-based, default all) of `layer` (default the second to last, the
+        paper's layer 5 of 6) for one sentence, one panel per head, saved to path (PNG)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        depth = len(self.model.encoder.layers if kind == "encoder" else self.model.decoder.layers)
+        layer = max(depth - 2, 0) if layer is None else layer
+        queries, keys, weights = self.attention(sentence, layer, kind)
+        heads = list(range(weights.shape[0])) if heads is None else list(heads)
+        if not heads or not all(0 <= h < weights.shape[0] for h in heads):
+            raise ValueError(f"heads must be in [0, {weights.shape[0]}), got {heads}")
+        columns = min(len(heads), 4)
+        rows = math.ceil(len(heads) / columns)
+        width, height = 0.3 * len(keys) + 1.5, 0.3 * len(queries) + 1.5
+        figure, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows),
+                                    squeeze=False)
+        for ax in axes.flat[len(heads):]:
+            ax.axis("off")
+        darkest = float(weights[heads].max())  # one colour scale for all panels
+        for ax, head in zip(axes.flat, heads, strict=False):
+            ax.imshow(weights[head].numpy(), cmap="viridis", vmin=0.0, vmax=darkest)
+            ax.set_xticks(range(len(keys)), keys, rotation=90, fontsize=8)
+            ax.set_yticks(range(len(queries)), queries, fontsize=8)
+            ax.set_title(f"layer {layer + 1}, head {head + 1}", fontsize=9)
+        what = "encoder self-attention" if kind == "encoder" else "decoder-encoder attention"
+        figure.suptitle(f"{what}: rows attend to columns")
+        figure.tight_layout()
+        figure.savefig(path, dpi=120)
+        plt.close(figure)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m fastattn.translate",
+        description="Translate raw sentences from stdin to stdout with a fastattn checkpoint.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint of fastattn.train")
+    parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
+    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent α")
+    parser.add_argument("--length-penalty", choices=["gnmt", "pow"], default="gnmt",
+                        help="gnmt: ((5 + |Y|) / 6)^α as in the paper; pow: |Y|^α")
+    parser.add_argument("--max-len-a", type=float, default=1.0,
+                        help="at most max_len_a · source length + max_len_b target tokens")
+    parser.add_argument("--max-len-b", type=int, default=50)
+    parser.add_argument("--nbest", type=int, default=1, help="hypotheses written per sentence")
+    parser.add_argument("--scores", action="store_true", help="write scores with translations")
+    parser.add_argument("--batch-tokens", type=int, default=4096,
+                        help="source tokens per batch, padding included")
+    parser.add_argument("--window", type=int, default=1000,
+                        help="lines read ahead and sorted by length into batches")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--input", default="-", help="input file (- for stdin)")
+    parser.add_argument("--plot-attention", metavar="PNG",
+                        help="instead of translating, plot attention for the first input line")
+    parser.add_argument("--attention", choices=["encoder", "cross"], default="encoder",
+                        help="encoder self-attention (the paper's Figures 3-5) or cross-attention")
+    parser.add_argument("--attention-layer", type=int,
+                        help="layer to plot, 1-based (default: the second to last)")
+    parser.add_argument("--attention-heads",
+                        help="comma-separated heads to plot, 1-based (default: all)")
+    args = parser.parse_args(argv)
+    if args.beam < 1 or not 1 <= args.nbest <= args.beam:
+        parser.error(f"need --beam >= 1 and 1 <= --nbest <= --beam, got {args.beam}, {args.nbest}")
+    if args.batch_tokens < 1 or args.window < 1 or args.max_len_b < 0 or args.max_len_a < 0:
+        parser.error("--batch-tokens and --window must be positive, --max-len-a/b not negative")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from fastattn.checkpoint import CheckpointError
+
+    args = parse_args(argv)
+    try:
+        translator = Translator.from_checkpoint(
+            args.checkpoint, args.device, beam_size=args.beam, alpha=args.alpha,
+            length_penalty=args.length_penalty, max_len_a=args.max_len_a,
+            max_len_b=args.max_len_b, nbest=args.nbest, batch_tokens=args.batch_tokens,
+            window=args.window,
+        )  # fmt: skip
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    with source:
+        if args.plot_attention:
+            sentence = next(iter(source), None)
+            if sentence is None:
+                raise SystemExit("error: --plot-attention needs one input line")
+            heads = args.attention_heads
+            heads = None if heads is None else [int(h) - 1 for h in heads.split(",")]
+            layer = None if args.attention_layer is None else args.attention_layer - 1
+            translator.plot_attention(sentence.rstrip("\n"), args.plot_attention, layer, heads,
+                                      args.attention)
+            return
+        out = sys.stdout
+        for line, hypotheses in enumerate(translator.stream(source)):
+            if args.nbest > 1:
+                for h in hypotheses:
+                    out.write(f"{line}\t{h.score:.4f}\t{h.text}\n")
+            else:
+                best = hypotheses[0] if hypotheses else Translation("", -math.inf, [])
+                out.write(f"{best.score:.4f}\t{best.text}\n" if args.scores else f"{best.text}\n")
+            out.flush()
+
+
+if __name__ == "__main__":
+    main()

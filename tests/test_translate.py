@@ -1,0 +1,153 @@
+"""fastattn.translate: the Translator and `python -m fastattn.translate` on a small random model
+with a real SentencePiece vocabulary, stored as a checkpoint the way fastattn.train stores it."""
+
+import io
+import itertools
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from fastattn import data
+from fastattn.checkpoint import save_checkpoint
+from fastattn.model import Transformer
+from fastattn.search import beam_search
+from fastattn.translate import Translator, main
+
+SENTENCES = [
+    "A dog runs on the beach.",
+    "Two men are playing football in a park while a crowd watches.",
+    "",
+    "A woman.",
+    "Children are sitting at a table and eating ice cream on a sunny afternoon in the city.",
+    "A man in a red shirt climbs a rock.",
+    "A dog runs on the beach.",
+]
+SHORT = {"max_len_b": 4}  # an untrained model tends to run to max_len: keep the tests fast
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    text = data.load_multi30k("val", "en", "de")
+    proto = data.train_sentencepiece(list(text.src) + list(text.tgt), vocab_size=300)
+    torch.manual_seed(0)
+    model = Transformer.from_preset("tiny", vocab_size=300, dropout=0.0)
+    with torch.no_grad():  # sharper next-token distributions: fewer near-ties between hypotheses
+        model.embedding.weight.mul_(4)
+    path = tmp_path_factory.mktemp("translate") / "checkpoint.pt"
+    state = {"model": model.state_dict(), "config": asdict(model.cfg), "spm": proto, "meta": {}}
+    save_checkpoint(path, state)
+    return path
+
+
+def test_translator_matches_a_direct_beam_search(checkpoint):
+    translator = Translator.from_checkpoint(checkpoint, beam_size=3, nbest=2, max_len_b=7)
+    model, sp = translator.model, translator.sp
+    sentence = SENTENCES[1]
+    source = torch.tensor([sp.encode(sentence) + [sp.eos_id()]])
+    state = model.start_decoding(source)
+
+    def step_fn(tokens, reorder):
+        if reorder is not None:
+            state.reorder(reorder)
+        return model.decode_step(tokens[:, -1], state)
+
+    (expected,) = beam_search(
+        step_fn, 1, beam_size=3, nbest=2, bos_id=sp.bos_id(), eos_id=sp.eos_id(),
+        max_len=source.shape[1] + 7, alpha=0.6,
+    )  # fmt: skip
+    (found,) = translator.stream([sentence])
+    assert [(t.tokens + [sp.eos_id()], t.score) for t in found] == [
+        (h.tokens, h.score) for h in expected
+    ]
+    assert [t.text for t in found] == [sp.decode(h.tokens[:-1]) for h in expected]
+    assert all(len(t.tokens) < source.shape[1] + 7 for t in found)
+
+
+def test_input_order_survives_windows_and_length_sorting(checkpoint):
+    alone = Translator.from_checkpoint(checkpoint, batch_tokens=1, window=1, **SHORT)
+    windowed = Translator.from_checkpoint(checkpoint, batch_tokens=1, window=3, **SHORT)
+    expected = [alone.translate([s])[0] for s in SENTENCES]
+    assert windowed.translate(SENTENCES) == expected
+    assert expected[0] == expected[-1]
+
+
+def test_batching_changes_no_translation(checkpoint):
+    alone = Translator.from_checkpoint(checkpoint, batch_tokens=1, **SHORT)
+    batched = Translator.from_checkpoint(checkpoint, batch_tokens=1000, **SHORT)
+    for one, many in zip(alone.stream(SENTENCES), batched.stream(SENTENCES), strict=True):
+        assert [t.tokens for t in one] == [t.tokens for t in many]
+        assert [t.score for t in one] == pytest.approx([t.score for t in many], rel=1e-4)
+
+
+def test_stream_reads_only_a_window_ahead(checkpoint):
+    translator = Translator.from_checkpoint(checkpoint, beam_size=2, max_len_b=3, window=2)
+    consumed = []
+
+    def lines():
+        for i in itertools.count():
+            consumed.append(i)
+            yield f"A dog number {i}."
+
+    first_three = list(itertools.islice(translator.stream(lines()), 3))
+    assert len(first_three) == 3 and len(consumed) == 4
+
+
+def run_cli(monkeypatch, capsys, args, lines):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
+    main(args)
+    return capsys.readouterr().out.splitlines()
+
+
+def test_command_line(checkpoint, monkeypatch, capsys):
+    base = ["--checkpoint", str(checkpoint), "--max-len-b", "4"]
+    best = run_cli(monkeypatch, capsys, base, SENTENCES)
+    assert best == Translator.from_checkpoint(checkpoint, **SHORT).translate(SENTENCES)
+
+    scored = run_cli(monkeypatch, capsys, [*base, "--scores"], SENTENCES)
+    assert [line.split("\t", 1)[1] for line in scored] == best
+    assert all(float(line.split("\t")[0]) < 0 for line in scored)
+
+    nbest = run_cli(monkeypatch, capsys, [*base, "--nbest", "3", "--beam", "5"], SENTENCES[:2])
+    fields = [line.split("\t") for line in nbest]
+    assert [f[0] for f in fields] == ["0", "0", "0", "1", "1", "1"]
+    for sentence in (fields[:3], fields[3:]):
+        scores = [float(f[1]) for f in sentence]
+        assert scores == sorted(scores, reverse=True)
+
+    greedy = run_cli(monkeypatch, capsys, [*base, "--beam", "1"], SENTENCES[:3])
+    assert len(greedy) == 3
+
+
+def test_plot_attention(checkpoint, monkeypatch, capsys, tmp_path):
+    for kind in ("encoder", "cross"):
+        png = tmp_path / f"{kind}.png"
+        args = ["--checkpoint", str(checkpoint), "--max-len-b", "4", "--plot-attention", str(png)]
+        args += ["--attention", kind, "--attention-layer", "2", "--attention-heads", "1,3"]
+        run_cli(monkeypatch, capsys, args, SENTENCES[:1])
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_attention_weights(checkpoint):
+    translator = Translator.from_checkpoint(checkpoint, **SHORT)
+    queries, keys, weights = translator.attention(SENTENCES[0], 1, "encoder")
+    assert queries == keys and weights.shape == (4, len(keys), len(keys))
+    torch.testing.assert_close(weights.sum(-1), torch.ones(4, len(keys)))
+    queries, keys, weights = translator.attention(SENTENCES[0], 0, "cross")
+    best = translator.stream([SENTENCES[0]]).__next__()[0]
+    assert len(queries) == len(best.tokens) + 1 and weights.shape == (4, len(queries), len(keys))
+    with pytest.raises(ValueError, match="layer"):
+        translator.attention(SENTENCES[0], 2)
+
+
+def test_bad_input_is_named(checkpoint, tmp_path, monkeypatch, capsys):
+    broken = tmp_path / "broken.pt"
+    broken.write_bytes(checkpoint.read_bytes()[:1000])
+    with pytest.raises(SystemExit, match="truncated or corrupt"):
+        main(["--checkpoint", str(broken)])
+    with pytest.raises(SystemExit):
+        main(["--checkpoint", str(checkpoint), "--beam", "2", "--nbest", "3"])
+    assert "--nbest" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="nbest"):
+        Translator.from_checkpoint(checkpoint, beam_size=2, nbest=3)
