@@ -35,7 +35,7 @@ from fastattn.backend import use_triton
 
 REDUCTIONS = ("none", "sum", "mean")
 MAX_BLOCK_V = 4096  # vocabulary chunk one program holds in registers
-CHUNK_ELEMENTS = 2**22  # logits per linear_cross_entropy chunk: 16 MB in fp32
+CHUNK_ELEMENTS = 2**24  # logits per linear_cross_entropy chunk: 64 MB in fp32
 
 
 @triton.jit
@@ -273,31 +273,30 @@ def label_smoothed_cross_entropy(
 
 
 def _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index):
-    """Per-row fp32 (loss, nll) of a logits chunk, which is then overwritten with
-    d(sum_r row_weight_r loss_r) / dlogits: fp32 math, one rounding to the chunk's dtype."""
-    x = logits.float()  # the chunk itself when fp32
-    lse = torch.logsumexp(x, -1)
+    """Per-row fp32 (loss, nll) of a logits chunk and d(sum_r row_weight_r loss_r) / dlogits in
+    the chunk's dtype: fp32 math, one rounding at the end."""
+    logp = torch.log_softmax(logits, -1, dtype=torch.float32)  # one fused pass
     valid = target != ignore_index
     safe_target = target.masked_fill(~valid, 0)[:, None]
-    nll = (lse - x.gather(1, safe_target)[:, 0]).masked_fill(~valid, 0)
+    nll = -logp.gather(1, safe_target)[:, 0].masked_fill(~valid, 0)
     loss = nll
     if smoothing:
-        loss = (1 - smoothing) * nll + smoothing * (lse - x.mean(-1)).masked_fill(~valid, 0)
+        loss = (1 - smoothing) * nll - smoothing * logp.mean(-1).masked_fill(~valid, 0)
     w = row_weight.float().masked_fill(~valid, 0)[:, None]
-    grad = x.sub_(lse[:, None]).exp_().mul_(w)
+    grad = logp.exp_().mul_(w)
     if smoothing:
-        grad.sub_(w * (smoothing / x.shape[1]))
+        grad.sub_(w * (smoothing / logits.shape[1]))
     grad.scatter_add_(1, safe_target, w * -(1 - smoothing))
-    if grad.data_ptr() != logits.data_ptr():
-        logits.copy_(grad)
-    return loss, nll
+    return loss, nll, grad.to(logits.dtype)
 
 
 def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index):
+    """(loss, nll, gradient) of a logits chunk; the Triton kernels write the gradient over the
+    chunk, which is linear_cross_entropy's own buffer."""
     if use_triton(logits):
         loss, nll, lse = _cross_entropy_fwd_triton(logits, target, smoothing, ignore_index)
         _cross_entropy_bwd_triton(logits, target, lse, row_weight, smoothing, ignore_index, logits)
-        return loss, nll
+        return loss, nll, logits
     return _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index)
 
 
@@ -328,16 +327,17 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, smoothing, ignore
         if not grads:
             loss[part], nll[part] = _cross_entropy_loss(logits, t, smoothing, ignore_index)
             continue
-        loss[part], nll[part] = _cross_entropy_grad(
+        loss[part], nll[part], grad = _cross_entropy_grad(
             logits, t, row_weight[part], smoothing, ignore_index
         )
-        torch.mm(logits, weight, out=dhidden[part])
-        if dweight.dtype == logits.dtype:
-            dweight.addmm_(logits.T, h)
+        del logits  # the torch path returned a new gradient buffer: free the logits now
+        torch.mm(grad, weight, out=dhidden[part])
+        if dweight.dtype == grad.dtype:
+            dweight.addmm_(grad.T, h)
         else:
-            dweight += logits.T @ h
+            dweight += grad.T @ h
         if bias is not None:
-            dbias += logits.sum(0, dtype=torch.float32)
+            dbias += grad.sum(0, dtype=torch.float32)
     return loss, nll, dhidden, dweight, dbias
 
 
