@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from benchmarks.common import DEVICE, DTYPES, QUICK, attention_flop, measure
 from fastattn.ops import attention
 
-TOKENS, HEADS = (64, 2) if QUICK else (8192, 8)  # batch = TOKENS // length
+TOKENS, HEADS = (64, 2) if QUICK else (4096, 8)  # batch = TOKENS // length
 SHAPES = [(32, 16), (64, 32)] if QUICK else [(128, 64), (512, 64), (2048, 64), (512, 128)]
 MEMORY_LENGTHS = [64, 128, 256] if QUICK else [1024, 2048, 4096, 8192]
 NAIVE_MAX_LENGTH = 128 if QUICK else 4096  # beyond it the naive (L, L) scores take gigabytes

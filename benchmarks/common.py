@@ -28,7 +28,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CORES = len(os.sched_getaffinity(0))
 
 ROUND_SECONDS = 0.01 if QUICK else 0.05
-BUDGET_SECONDS = 0.05 if QUICK else 2.0
+BUDGET_SECONDS = 0.05 if QUICK else 1.0
 MIN_ROUNDS = 2 if QUICK else 5
 MAX_ROUNDS = 5 if QUICK else 200
 
@@ -80,22 +80,24 @@ def measure(
     benchmark.group = group
     benchmark.extra_info.update(info)
     benchmark.extra_info["peak_memory_bytes"] = peak_memory(fn)
+    if flop is not None:
+        benchmark.extra_info["flop"] = flop
+    if bytes_moved is not None:
+        benchmark.extra_info["bytes_moved"] = bytes_moved
     warmup_rounds = 1 if once * iterations < 1.0 else 0
     benchmark.pedantic(call, rounds=rounds, iterations=iterations, warmup_rounds=warmup_rounds)
     if benchmark.stats is None:  # --benchmark-disable: nothing was timed
         return
     median = benchmark.stats.stats.median
     if flop is not None:
-        benchmark.extra_info["flop"] = flop
         benchmark.extra_info["flop_per_s"] = flop / median
     if bytes_moved is not None:
-        benchmark.extra_info["bytes_moved"] = bytes_moved
         benchmark.extra_info["bytes_per_s"] = bytes_moved / median
 
 
 def peak_memory(fn: Callable[[], object]) -> int:
-    """Bytes allocated by fn (and freed by the time it returns or not) above the allocation level
-    at its start, at the high-water mark. See the module docstring for how."""
+    """The high-water mark of the bytes fn allocates above the level at its start, whether or not
+    it frees them before returning. See the module docstring for how."""
     if DEVICE.type == "cuda":
         synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -10,7 +10,15 @@ import pytest
 import torch
 
 import fastattn
-from benchmarks.common import CORES, DEVICE, QUICK, device_name, device_peak_flop_per_s
+from benchmarks.common import (
+    CORES,
+    DEVICE,
+    QUICK,
+    device_name,
+    device_peak_flop_per_s,
+    dtype_name,
+    low_precision,
+)
 
 torch.set_num_threads(CORES)
 
@@ -45,10 +53,11 @@ def environment() -> dict[str, object]:
     }
     if DEVICE.type == "cuda":
         info["cuda"] = torch.version.cuda
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, low_precision()):
         peak = device_peak_flop_per_s(dtype)
         if peak is not None:
-            info[f"peak_flop_per_s_{str(dtype)[6:]}"], info[f"peak_{str(dtype)[6:]}_basis"] = peak
+            name = dtype_name(dtype)
+            info[f"peak_flop_per_s_{name}"], info[f"peak_{name}_basis"] = peak
     return info
 
 

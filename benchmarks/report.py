@@ -113,7 +113,7 @@ COLUMNS = {
 
 
 def family(bench: dict) -> str:
-    return (bench.get("group") or bench["name"]).split(" ")[0]
+    return (bench.get("group") or bench["name"].split("[")[0]).split(" ")[0]
 
 
 def impl(bench: dict) -> str:
@@ -142,7 +142,7 @@ def measured_tables(benchmarks: list[dict]) -> list[str]:
         for b in sorted(benches, key=lambda b: order[b.get("group")]):  # stable: run order
             s, info = b["stats"], b["extra_info"]
             row = [
-                (b.get("group") or b["name"]).removeprefix(name).strip() or "–",
+                (b.get("group") or "").removeprefix(name).strip() or "–",
                 impl(b),
                 seconds(s["median"]),
                 f"±{50 * s['iqr'] / s['median']:.1f}%",
@@ -210,18 +210,8 @@ def step_targets(benchmarks: list[dict], device: str) -> str | None:
                 f"{info['gpu_target_s']} s on one of 8 P100 — not measured here",
             ]
         )
-    return table(
-        [
-            "preset",
-            "precision",
-            "tokens/step",
-            f"s/step on {device}",
-            "spread",
-            "MFU",
-            "paper target (per-GPU batch)",
-        ],
-        rows,
-    )
+    header = f"preset|precision|tokens/step|s/step on {device}|spread|MFU|paper's target"
+    return table(header.split("|"), rows)
 
 
 # --- projection ------------------------------------------------------------------------------
@@ -306,30 +296,14 @@ def compile_summary(rows: list[dict]) -> str:
         "(`python -m fastattn.kernels.compile_report`); static facts of the binaries, no GPU "
         "run.\n\n"
         + table(
-            [
-                "kernels",
-                "arch",
-                "configs",
-                "max registers",
-                "configs spilling",
-                "max shared memory",
-                "tensor-core configs",
-            ],
+            "kernels|arch|configs|max registers|configs spilling|max shared memory|"
+            "tensor-core configs".split("|"),
             summary,
         )
         + "\n\n<details><summary>every configuration</summary>\n\n"
         + table(
-            [
-                "kernels",
-                "config",
-                "arch",
-                "warps",
-                "stages",
-                "registers",
-                "spill bytes",
-                "shared memory",
-                "tensor cores",
-            ],
+            "kernels|config|arch|warps|stages|registers|spill bytes|shared memory|"
+            "tensor cores".split("|"),
             detail,
         )
         + "\n\n</details>"
@@ -337,6 +311,16 @@ def compile_summary(rows: list[dict]) -> str:
 
 
 # --- the document ----------------------------------------------------------------------------
+
+HOW_TO_READ = (
+    "Times are medians over rounds (each round the mean of `iters` calls), after two untimed "
+    "warm-up calls (and a warm-up round for calls under a second); spread is half the "
+    "interquartile range relative to the median. Speed-up = the baseline's median / this "
+    "median (> 1: faster). FLOP/s and bandwidth credit every implementation of a case with the "
+    "same useful work (see each bench_*.py), so they compare like times. Peak memory is what "
+    "one call allocates above its inputs at its high-water mark (CUDA: max_memory_allocated; "
+    "CPU: torch's allocation events from the profiler)."
+)
 
 
 def render(results: dict, compile_rows: list[dict] | None, compile_problem: str) -> str:
@@ -361,9 +345,11 @@ def render(results: dict, compile_rows: list[dict] | None, compile_problem: str)
         f"- date {results.get('datetime', '?')[:19].replace('T', ' ')} UTC, commit "
         f"{commit.get('id', '?')[:10]}{' (uncommitted changes)' if commit.get('dirty') else ''}",
     ]
-    for dtype in ("float32", "bfloat16"):
-        if f"peak_{dtype}_basis" in env:
-            lines.append(f"- peak {dtype} for MFU: {env[f'peak_{dtype}_basis']}")
+    for key, basis in env.items():
+        if key.endswith("_basis"):
+            lines.append(
+                f"- peak {key.removeprefix('peak_').removesuffix('_basis')} for MFU: {basis}"
+            )
     if "suite_seconds" in results:
         lines.append(
             f"- the suite ran for {results['suite_seconds'] / 60:.1f} min"
@@ -376,13 +362,7 @@ def render(results: dict, compile_rows: list[dict] | None, compile_problem: str)
         )
     lines += [
         "",
-        "Times are medians over rounds (each round the mean of `iters` calls), after two "
-        "untimed warm-up calls and one warm-up round; spread is half the interquartile range "
-        "relative to the median. Speed-up = the baseline's median / this median (> 1: faster). "
-        "FLOP/s and bandwidth credit every implementation of a case with the same useful work "
-        "(see each bench_*.py), so they compare like times. Peak memory is what one call "
-        "allocates above its inputs at its high-water mark (CUDA: max_memory_allocated; CPU: "
-        "torch's allocation events from the profiler).",
+        HOW_TO_READ,
         "",
         "## Measured",
         "",
