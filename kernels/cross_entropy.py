@@ -484,12 +484,12 @@ def linear_cross_entropy(
 def compile_configs() -> list[dict]:
     """Every (kernel, BLOCK_V, warps) the launchers pick, for fp16 logits."""
     fwd_signature = {
-        "Logits": "*fp16", "Target": "*i64", "Loss": "*fp32", "Nll": "*fp32", "Lse": "*fp32",
-        "stride": "i32", "V": "i32", "smoothing": "fp32", "ignore_index": "i32",
+        "Logits": "*fp16:16", "Target": "*i64:16", "Loss": "*fp32:16", "Nll": "*fp32:16", "Lse": "*fp32:16",
+        "stride": "i32:16", "V": "i32", "smoothing": "fp32", "ignore_index": "i32",
     }
     bwd_signature = {
-        "Logits": "*fp16", "Target": "*i64", "Lse": "*fp32", "GradRows": "*fp32",
-        "DLogits": "*fp16", "stride": "i32", "stride_d": "i32", "stride_g": "i32", "V": "i32",
+        "Logits": "*fp16:16", "Target": "*i64:16", "Lse": "*fp32:16", "GradRows": "*fp32:16",
+        "DLogits": "*fp16:16", "stride": "i32:16", "stride_d": "i32:16", "stride_g": "i32:16", "V": "i32",
         "smoothing": "fp32", "ignore_index": "i32",
     }
     configs = []

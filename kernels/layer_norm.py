@@ -462,17 +462,17 @@ def forward_bytes(
 def compile_configs() -> list[dict]:
     """Every (kernel, block size, warps) the launchers pick, all features on (most registers)."""
     fwd_signature = {
-        "X": "*fp16", "R": "*fp16", "W": "*fp32", "B": "*fp32", "Y": "*fp16", "S": "*fp16",
-        "Mean": "*fp32", "Rstd": "*fp32", "Seed": "*i64",
-        "stride_x": "i32", "stride_r": "i32", "stride_y": "i32", "stride_s": "i32",
+        "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16", "B": "*fp32:16", "Y": "*fp16:16", "S": "*fp16:16",
+        "Mean": "*fp32:16", "Rstd": "*fp32:16", "Seed": "*i64:16",
+        "stride_x": "i32:16", "stride_r": "i32:16", "stride_y": "i32:16", "stride_s": "i32:16",
         "N": "i32", "eps": "fp32", "dropout_p": "fp32",
     }
     bwd_signature = {
-        "DY": "*fp16", "DSUM": "*fp16", "X": "*fp16", "R": "*fp16", "W": "*fp32",
-        "Mean": "*fp32", "Rstd": "*fp32", "Seed": "*i64", "DX": "*fp16", "DR": "*fp16",
-        "DW": "*fp32", "DB": "*fp32",
-        "stride_dy": "i32", "stride_dsum": "i32", "stride_x": "i32", "stride_r": "i32",
-        "stride_dx": "i32", "stride_dr": "i32",
+        "DY": "*fp16:16", "DSUM": "*fp16:16", "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16",
+        "Mean": "*fp32:16", "Rstd": "*fp32:16", "Seed": "*i64:16", "DX": "*fp16:16", "DR": "*fp16:16",
+        "DW": "*fp32:16", "DB": "*fp32:16",
+        "stride_dy": "i32:16", "stride_dsum": "i32:16", "stride_x": "i32:16", "stride_r": "i32:16",
+        "stride_dx": "i32:16", "stride_dr": "i32:16",
         "M": "i32", "N": "i32", "rows_per_program": "i32", "dropout_p": "fp32",
     }
     flags = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DROPOUT=True)
