@@ -5,7 +5,7 @@ memory. One program normalises one row held in registers, so every element of x 
 residual is read once and y is written once (plus the sum when the caller asks for it).
 
 Bytes moved per element in the forward, e = element size (2 for fp16/bf16), compulsory traffic
-of each kernel, per-row statistics and weight/bias left out (see `forward_bytes`):
+of each kernel (`forward_bytes` computes totals, with weight, bias and row statistics too):
 
     residual  dropout  return_residual   fused      unfused (dropout -> add -> layer_norm)
     yes       no       no                3e  (6)    add 3e + layer_norm 2e            = 5e  (10)
@@ -358,6 +358,18 @@ torch.library.register_autograd(
 )
 
 
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t as (rows, features) with unit column stride, a view whenever possible."""
+    if t is None:
+        return None
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
 def _draw_seed(device: torch.device) -> torch.Tensor:
     """A fresh dropout seed from torch's generator for `device`, kept on the device (no sync)."""
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
@@ -413,10 +425,10 @@ def layer_norm_residual(
             f"layer_norm_residual's Triton kernel supports at most {MAX_FEATURES} features per "
             f"row, got {N}"
         )
-    rows = lambda t: None if t is None else t.reshape(-1, N)
     seed = _draw_seed(x.device) if dropout_p > 0 else None
     y, s, _, _ = _layer_norm_residual_fwd(
-        rows(x), rows(residual), weight, bias, seed, eps, dropout_p, return_residual
+        _rows(x), _rows(residual), _contiguous(weight), _contiguous(bias), seed, eps, dropout_p,
+        return_residual,
     )
     y = y.view(x.shape)
     return (y, s.view(x.shape)) if return_residual else y

@@ -291,3 +291,11 @@ def test_custom_op_registration():
         torch.ops.fastattn.cross_entropy_fwd.default, (logits, _target(7, 40), 0.1, -100),
         test_utils=CHECKS,
     )
+
+
+def test_strided_logits():
+    logits = torch.randn(N, 80, dtype=torch.float64)[:, ::2]
+    target = _target(N, 40)
+    exact, _ = cross_entropy_reference(logits, target, 0.1)
+    loss = label_smoothed_cross_entropy(logits.float(), target, 0.1)
+    torch.testing.assert_close(loss.double(), exact, atol=1e-5, rtol=1e-5)

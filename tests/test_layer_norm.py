@@ -199,3 +199,12 @@ def test_custom_op_registration():
         (x, r, w, b, seed, 1e-5, 0.25, True),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
+
+
+def test_strided_and_transposed_inputs():
+    wide = torch.randn(4, 3, 66, dtype=torch.float64)
+    x, r = wide[..., ::2], torch.randn(3, 4, 33, dtype=torch.float64).transpose(0, 1)
+    w = torch.randn(66, dtype=torch.float64)[::2]
+    exact, _ = layer_norm_residual_reference(x, r, w, None)
+    y = layer_norm_residual(x.float(), r.float(), w.float(), None)
+    torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
