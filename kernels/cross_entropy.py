@@ -18,10 +18,12 @@ are never overwritten); the true-class term is formed in fp32 before that single
 Traffic: read N*V forward, read + write N*V backward.
 
 linear_cross_entropy(hidden, weight, target) is cross-entropy of hidden @ weight.T + bias
-computed over row chunks, so the (N, V) logits never exist in full: each chunk's logits are
-turned into their gradient in place (they are this function's own buffer) and folded into
-dhidden, dweight and dbias straight away, in the forward when the loss is reduced to a scalar
-(the backward then only scales by grad_output), in the backward for reduction="none".
+computed over row chunks of CHUNK_ELEMENTS logits, so the (N, V) logits never exist in full:
+each chunk's logits become their gradient (in place with the Triton kernels; the chunk is this
+function's own buffer) and are folded into dhidden, dweight (fp32) and dbias straight away: in
+the forward when the loss is reduced to a scalar, so the backward only scales by grad_output,
+and in a recomputing backward for reduction="none". Peak extra memory is one or two chunks plus
+an fp32 dweight, against the unfused pair's logits and their gradient in full.
 """
 
 from __future__ import annotations
