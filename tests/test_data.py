@@ -1,0 +1,191 @@
+"""fastattn.data: strict reading, the embedded corpus, SentencePiece, length filtering, batches."""
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+
+from fastattn import data
+
+
+def write(path, content: bytes, gz: bool = False):
+    path.write_bytes(gzip.compress(content) if gz else content)
+    return path
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_read_lines_strips_and_keeps_tabs(tmp_path, gz):
+    path = write(tmp_path / "a.txt", b"  one\ttwo \r\nthree\n", gz)
+    assert data.read_lines(path) == ["one\ttwo", "three"]
+
+
+def test_read_lines_without_final_newline(tmp_path):
+    assert data.read_lines(write(tmp_path / "a", b"x\ny")) == ["x", "y"]
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (b"ok\n   \nok\n", ":2: empty line"),
+        (b"ok\nok\n\n", ":3: empty line"),
+        (b"ok\nbad \xff byte\n", ":2: invalid UTF-8 at byte 4"),
+        (b"", ": empty file"),
+    ],
+)
+@pytest.mark.parametrize("gz", [False, True])
+def test_bad_lines_name_file_and_line(tmp_path, content, expected, gz):
+    path = write(tmp_path / "bad.txt", content, gz)
+    with pytest.raises(data.DataError) as error:
+        data.read_lines(path)
+    message = str(error.value)
+    assert message == f"{path}{expected}" or message.startswith(f"{path}{expected}")
+    assert "\n" not in message
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(data.DataError, match="no such file") as error:
+        data.read_lines(tmp_path / "nope.de")
+    assert str(tmp_path / "nope.de") in str(error.value)
+
+
+def test_truncated_gzip(tmp_path):
+    path = tmp_path / "cut.gz"
+    path.write_bytes(gzip.compress(b"line\n" * 1000)[:-20])
+    with pytest.raises(data.DataError, match="cannot read"):
+        data.read_lines(path)
+
+
+def test_unequal_line_counts(tmp_path):
+    src = write(tmp_path / "s.en", b"a\nb\nc\n")
+    tgt = write(tmp_path / "t.de", b"a\nb\n")
+    with pytest.raises(data.DataError) as error:
+        data.read_parallel(src, tgt)
+    message = str(error.value)
+    assert f"{src} has 3 lines but {tgt} has 2" in message
+    assert "line 2" in message and "\n" not in message
+
+
+def test_parallel_pair(tmp_path):
+    pair = data.read_parallel(write(tmp_path / "s", b"a b\nc\n"), write(tmp_path / "t", b"x\ny\n"))
+    assert (pair.src, pair.tgt, len(pair)) == (["a b", "c"], ["x", "y"], 2)
+
+
+@pytest.mark.parametrize(("split", "pairs"), [("train", 29000), ("val", 1014), ("test2016", 1000)])
+def test_embedded_multi30k(split, pairs):
+    for src, tgt in [("en", "de"), ("fr", "en")]:
+        corpus = data.load_multi30k(split, src, tgt)
+        assert len(corpus) == pairs
+    tokenized = data.read_lines(data.multi30k_path(split, "de", tokenized=True)) \
+        if split != "train" else None
+    assert tokenized is None or len(tokenized) == pairs
+
+
+def test_multi30k_quirk_tab_inside_a_sentence():
+    train = data.load_multi30k("train", "en", "de")
+    assert "\t" in train.tgt[7365]  # line 7366
+    assert all(line == line.strip() for line in train.tgt)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [(("dev", "en", "de"), "splits"), (("val", "en", "cs"), "languages"),
+     (("val", "de", "de"), "both")],
+)
+def test_multi30k_bad_names(args, match):
+    with pytest.raises(data.DataError, match=match):
+        data.load_multi30k(*args)
+
+
+SENTENCES = [f"the {a} {b} is {c} today." for a in ("red", "big", "old", "small", "new")
+             for b in ("dog", "house", "car", "tree") for c in ("here", "there", "gone")]
+
+
+def test_sentencepiece_joint_model_is_deterministic_and_round_trips():
+    proto = data.train_sentencepiece(SENTENCES, vocab_size=60)
+    assert proto == data.train_sentencepiece(SENTENCES, vocab_size=60)
+    sp = data.load_sentencepiece(proto)
+    assert sp.get_piece_size() == 60
+    assert (sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()) == (
+        data.PAD_ID, data.UNK_ID, data.BOS_ID, data.EOS_ID)
+    ids = data.encode(sp, SENTENCES[:3])
+    assert all(min(s) > data.EOS_ID for s in ids)
+    assert sp.decode(ids) == SENTENCES[:3]
+
+
+def test_filter_by_length_counts():
+    src = [[5] * n for n in (1, 4, 9, 2, 3)]
+    tgt = [[5] * n for n in (1, 4, 2, 7, 0)]
+    keep, counts = data.filter_by_length(src, tgt, max_len=8, max_ratio=3.0)
+    assert keep == [0, 1]
+    assert counts == {"kept": 2, "too_long": 2, "bad_ratio": 1}
+
+
+def lengths(n=997, seed=0):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(1, 40, n)
+    return src, np.maximum(1, src + rng.integers(-5, 6, n))
+
+
+def padded_cost(src, tgt, batch):
+    return len(batch) * (src[batch].max() + tgt[batch].max())
+
+
+def test_token_batches_cover_every_pair_once_within_budget():
+    src, tgt = lengths()
+    batches = data.TokenBatches(src, tgt, max_tokens=300, seed=3)
+    epoch = batches.epoch(0)
+    assert sorted(np.concatenate(epoch).tolist()) == list(range(len(src)))
+    assert all(padded_cost(src, tgt, b) <= 300 for b in epoch)
+    # Full batches: adding the next sentence of the sorted order would exceed the budget, so
+    # the batches are many fewer than the sentences and padding is small.
+    assert len(epoch) < len(src) / 4
+    assert 0 <= batches.padding_fraction(0) < 0.15
+
+
+def test_token_batches_deterministic_per_seed_and_shuffled_per_epoch():
+    src, tgt = lengths()
+    a, b = data.TokenBatches(src, tgt, 300, seed=1), data.TokenBatches(src, tgt, 300, seed=1)
+    assert all(np.array_equal(x, y) for x, y in zip(a.epoch(2), b.epoch(2), strict=True))
+    first, second = a.epoch(0), a.epoch(1)
+    assert [x.tolist() for x in first] != [x.tolist() for x in second]
+    other = data.TokenBatches(src, tgt, 300, seed=2).epoch(0)
+    assert [x.tolist() for x in first] != [x.tolist() for x in other]
+
+
+def test_token_batches_resume_from_a_position():
+    src, tgt = lengths()
+    batches = data.TokenBatches(src, tgt, 300, seed=5)
+    n = len(batches)
+    stream = batches.iterate()
+    full = [next(stream) for _ in range(n + 7)]
+    resumed = batches.iterate(epoch=1, step=3)
+    for expected in full[n + 3 :]:
+        epoch, step, batch = next(resumed)
+        assert (epoch, step) == expected[:2] and np.array_equal(batch, expected[2])
+
+
+def test_token_batches_shards():
+    src, tgt = lengths()
+    whole = data.TokenBatches(src, tgt, 300, seed=7).epoch(4)
+    shards = [data.TokenBatches(src, tgt, 300, seed=7, rank=r, world_size=3).epoch(4)
+              for r in range(3)]
+    assert len({len(s) for s in shards}) == 1
+    interleaved = [shards[i % 3][i // 3] for i in range(3 * len(shards[0]))]
+    assert all(np.array_equal(x, y) for x, y in zip(interleaved, whole, strict=False))
+
+
+def test_token_batches_bad_arguments():
+    with pytest.raises(ValueError, match="longest pair"):
+        data.TokenBatches([10, 50], [10, 60], max_tokens=100)
+    with pytest.raises(ValueError, match="rank"):
+        data.TokenBatches([1], [1], 10, rank=2, world_size=2)
+
+
+def test_collate_places_bos_eos_and_padding():
+    src, tgt = [[7, 8, 9], [10]], [[11], [12, 13]]
+    source, inputs, targets = data.collate(src, tgt, [1, 0])
+    assert source.tolist() == [[10, data.EOS_ID, 0, 0], [7, 8, 9, data.EOS_ID]]
+    assert inputs.tolist() == [[data.BOS_ID, 12, 13], [data.BOS_ID, 11, 0]]
+    assert targets.tolist() == [[12, 13, data.EOS_ID], [11, data.EOS_ID, 0]]
+    assert source.dtype == torch.long

@@ -1,0 +1,76 @@
+"""fastattn.evaluate: detokenized sacreBLEU, Multi30k tokenized BLEU, the paper's compound split."""
+
+import math
+
+import pytest
+
+from fastattn import data, evaluate
+
+
+@pytest.mark.parametrize("lang", ["en", "de"])
+def test_multi30k_tokenize_reproduces_the_official_references(lang):
+    raw = data.read_lines(data.multi30k_path("test2016", lang))
+    official = data.read_lines(data.multi30k_path("test2016", lang, tokenized=True))
+    assert [evaluate.multi30k_tokenize(line, lang) for line in raw] == official
+
+
+def test_references_score_100_against_themselves():
+    raw = data.read_lines(data.multi30k_path("test2016", "de"))
+    official = data.read_lines(data.multi30k_path("test2016", "de", tokenized=True))
+    assert evaluate.multi30k_bleu(raw, official, "de") == pytest.approx(100.0)
+    assert evaluate.sacre_bleu(raw, raw)[0] == pytest.approx(100.0)
+    assert evaluate.wmt_bleu(raw, raw, "de") == pytest.approx(100.0)
+
+
+def test_tokenized_bleu_known_case():
+    # Clipped n-gram precisions 5/6, 3/5, 2/4, 1/3, equal lengths (no brevity penalty).
+    score = evaluate.tokenized_bleu(["the cat sat on the mat"], ["the cat sat on a mat"])
+    expected = 100 * (5 / 6 * 3 / 5 * 2 / 4 * 1 / 3) ** 0.25
+    assert score == pytest.approx(expected)
+
+
+def test_tokenized_bleu_brevity_penalty():
+    score = evaluate.tokenized_bleu(["a b c d"], ["a b c d e f"])
+    assert score == pytest.approx(100 * math.exp(1 - 6 / 4))
+
+
+def test_tokenized_bleu_keeps_tokens_as_they_are():
+    # tokenize="none": "mat." is one token, so it does not match "mat".
+    assert evaluate.tokenized_bleu(["a b c mat."], ["a b c mat"]) < 100
+
+
+def test_multi30k_bleu_lowercases_and_tokenizes_hypotheses():
+    assert evaluate.multi30k_bleu(["Ein Hund läuft, schnell!"], ["ein hund läuft , schnell !"],
+                                  "de") == pytest.approx(100.0)
+
+
+def test_sacre_bleu_signature():
+    line = "Ein kleiner Hund läuft über eine Wiese."
+    score, signature = evaluate.sacre_bleu([line], [line])
+    assert score == pytest.approx(100.0)
+    assert evaluate.sacre_bleu([line.lower()], [line])[0] < 100
+    assert "tok:13a" in signature and "case:mixed" in signature
+
+
+@pytest.mark.parametrize(
+    ("line", "split"),
+    [
+        ("a-b", "a ##AT##-##AT## b"),
+        ("Rhein-Main-Gebiet", "Rhein ##AT##-##AT## Main ##AT##-##AT## Gebiet"),
+        ("a-b-c", "a ##AT##-##AT## b-c"),  # one non-overlapping pass, as the perl does
+        ("a - b", "a - b"),
+        ("-x", "-x"),
+    ],
+)
+def test_split_compounds(line, split):
+    assert evaluate.split_compounds(line) == split
+
+
+def test_wmt_tokenize_splits_compounds_after_moses():
+    assert evaluate.wmt_tokenize("Das E-Mail-Konto.", "de") == \
+        "Das E ##AT##-##AT## Mail ##AT##-##AT## Konto ."
+
+
+def test_misaligned_inputs_are_an_error():
+    with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
+        evaluate.tokenized_bleu(["a", "b"], ["a"])
