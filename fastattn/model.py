@@ -184,6 +184,18 @@ def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     return ops.attention(q, k, v, scale=d_k**-0.5, **kwargs)[..., :d_v]
 
 
+def attention_probabilities(q: Tensor, k: Tensor, mask: Tensor | None = None,
+                            causal: bool = False) -> Tensor:
+    """The weights softmax(Q K^T / √d_k) of eq. 1, (B, h, Lq, Lk), for inspection and plots."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1),
+                                    float("-inf"))
+    return scores.softmax(dim=-1)
+
+
 class SelfAttention(nn.Module):
     """MultiHead(x, x, x) = Concat(head_1, ..., head_h) W^O with
     head_i = Attention(x W_i^Q, x W_i^K, x W_i^V) (3.2.2); the three projections are one matrix."""
@@ -201,6 +213,11 @@ class SelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         return self.out(merge_heads(attention(q, k, v, attn_mask=mask, causal=causal,
                                               dropout_p=dropout_p)))
+
+    def weights(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """softmax(Q K^T / √d_k) of forward(x, mask, causal) explicitly: (B, h, L, L)."""
+        q, k, _ = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
+        return attention_probabilities(q, k, mask, causal)
 
     def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, t: int) -> Tensor:
         """One decoding step: x (N, d_model) at position t; stores its key and value at t in the
@@ -237,6 +254,11 @@ class CrossAttention(nn.Module):
         q = split_heads(self.q(x), self.heads)
         return self.out(merge_heads(attention(q, k, v, attn_mask=memory_mask,
                                               dropout_p=dropout_p)))
+
+    def weights(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
+        """softmax(Q K^T / √d_k) of forward(x, memory, memory_mask) explicitly: (B, h, T, S)."""
+        k, _ = self.memory_kv(memory)
+        return attention_probabilities(split_heads(self.q(x), self.heads), k, memory_mask)
 
     def step(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor, sentences: Tensor | None,
              ) -> Tensor:
@@ -398,11 +420,13 @@ class Transformer(nn.Module):
         hidden = self.decode(tgt_in, *self.encode(src))
         return F.linear(hidden, self.embedding.weight)
 
-    def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *,
-             reduction: str = "mean") -> Tensor:
+    def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, reduction: str = "mean",
+             return_nll: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         """The label-smoothed cross-entropy (ε_ls from the config) of tgt_out (B, T), tgt_in
         shifted by one, over its non-padding tokens: "mean" per token or "sum". Projection and
-        loss are one fused op, so the (tokens × vocabulary) logits are never materialised."""
+        loss are one fused op, so the (tokens × vocabulary) logits are never materialised.
+        With return_nll, also the unsmoothed negative log-likelihood reduced the same way
+        (without gradient; exp of its mean is the perplexity)."""
         if tgt_out.shape != tgt_in.shape:
             raise ValueError(f"tgt_out {tuple(tgt_out.shape)} and tgt_in {tuple(tgt_in.shape)} "
                              "must have the same shape")
@@ -412,8 +436,31 @@ class Transformer(nn.Module):
         real = tgt_out != self.cfg.pad_id  # padding costs no projection
         return ops.linear_cross_entropy(
             hidden[real], self.embedding.weight, tgt_out[real],
-            smoothing=self.cfg.label_smoothing, reduction=reduction,
+            smoothing=self.cfg.label_smoothing, reduction=reduction, return_nll=return_nll,
         )
+
+    @torch.no_grad()
+    def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
+        """The attention weights of every layer and head, for plots like the paper's Figures 3-5:
+        {"encoder": encoder self-attention (B, h, S, S), "decoder": decoder self-attention
+        (B, h, T, T), "cross": decoder over encoder (B, h, T, S)}, one tensor per layer."""
+        captured: dict[str, list[Tensor]] = {"encoder": [], "decoder": [], "cross": []}
+
+        def capture(kind: str) -> Callable:
+            def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+                captured[kind].append(module.weights(*args, **kwargs))
+            return hook
+
+        modules = [("encoder", layer.self_attention) for layer in self.encoder.layers]
+        for layer in self.decoder.layers:
+            modules += [("decoder", layer.self_attention), ("cross", layer.cross_attention)]
+        hooks = [m.register_forward_pre_hook(capture(k), with_kwargs=True) for k, m in modules]
+        try:
+            self(src, tgt_in)
+        finally:
+            for h in hooks:
+                h.remove()
+        return captured
 
     # -- incremental decoding -----------------------------------------------------------------
 
