@@ -41,17 +41,9 @@ OUTPUT = ROOT / "BENCHMARKS.md"
 def run_suite(results: Path, quick: bool, pytest_args: list[str]) -> tuple[int, float]:
     """Runs the benchmarks into `results`; returns pytest's exit code and the wall time."""
     env = {**os.environ, "FASTATTN_BENCH_QUICK": "1" if quick else "0"}
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        str(ROOT / "benchmarks"),
-        "--benchmark-only",
-        f"--benchmark-json={results}",
-        "-p",
-        "no:cacheprovider",
-        *pytest_args,
-    ]
+    command = [sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "--benchmark-only"]
+    command += [f"--benchmark-json={results}", "--benchmark-columns=median,iqr,rounds"]
+    command += ["-p", "no:cacheprovider", *pytest_args]
     print("$", " ".join(command), flush=True)
     start = time.perf_counter()
     code = subprocess.run(command, cwd=ROOT, env=env).returncode
