@@ -260,7 +260,7 @@ class CrossAttention(nn.Module):
         k, _ = self.memory_kv(memory)
         return attention_probabilities(split_heads(self.q(x), self.heads), k, memory_mask)
 
-    def step(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor, sentences: Tensor | None,
+    def step(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sentences: Tensor | None,
              ) -> Tensor:
         """One decoding step for x (N, d_model) over per-sentence keys k (B, h, S, d_k), values
         and mask (B, 1, 1, S). Rows grouped by sentence (sentences=None, N = B·r) attend as r
@@ -272,7 +272,8 @@ class CrossAttention(nn.Module):
             q = q.view(k.shape[0], -1, self.heads, k.shape[-1]).transpose(1, 2)  # (B, h, r, d_k)
         else:
             q = q.view(n, self.heads, 1, -1)
-            k, v, mask = k[sentences], v[sentences], mask[sentences]
+            k, v = k[sentences], v[sentences]
+            mask = None if mask is None else mask[sentences]
         out = attention(q, k, v, attn_mask=mask)
         return F.linear(out.transpose(1, 2).reshape(n, -1), self.out.weight, self.out.bias)
 
@@ -519,14 +520,16 @@ class Transformer(nn.Module):
 
 class DecodingState:
     """What decode_step keeps between positions: per decoder layer the encoder keys and values
-    (B, h, S, d) of each live sentence with their mask (B, 1, 1, S), and the self-attention
-    caches self_k (layers, N, h, capacity, d_k) and self_v for the N rows, filled up to `length`.
+    (B, h, S, d) of each live sentence, their mask (B, 1, 1, S) (None without padding), and the
+    self-attention caches self_k (layers, N, h, capacity, d_k) and self_v for the N rows,
+    filled up to `length`.
     `sentences` is None while the rows are grouped by sentence in memory order, r rows each
     (N = B·r, beam search's layout); otherwise the (N,) sentence of every row."""
 
     def __init__(self, memory_k: list[Tensor], memory_v: list[Tensor], memory_mask: Tensor,
                  capacity: int) -> None:
-        self.memory_k, self.memory_v, self.memory_mask = memory_k, memory_v, memory_mask
+        self.memory_k, self.memory_v = memory_k, memory_v
+        self.memory_mask = _unless_all_true(memory_mask)
         self.capacity = capacity
         self.self_k: Tensor | None = None
         self.self_v: Tensor | None = None
@@ -535,7 +538,7 @@ class DecodingState:
 
     @property
     def num_sentences(self) -> int:
-        return self.memory_mask.shape[0]
+        return self.memory_k[0].shape[0]
 
     def allocate(self, rows: int, cfg: TransformerConfig, like: Tensor) -> None:
         """Creates the caches for the first call: `rows` rows split evenly over the sentences."""
@@ -568,7 +571,8 @@ class DecodingState:
         if len(live) < self.num_sentences:  # finished sentences leave the batch
             self.memory_k = [k.index_select(0, live) for k in self.memory_k]
             self.memory_v = [v.index_select(0, live) for v in self.memory_v]
-            self.memory_mask = self.memory_mask.index_select(0, live)
+            if self.memory_mask is not None:
+                self.memory_mask = _unless_all_true(self.memory_mask.index_select(0, live))
         per_sentence = len(rows) // len(live)
         grouped = torch.arange(len(live), device=rows.device).repeat_interleave(per_sentence)
         is_grouped = len(grouped) == len(rows) and torch.equal(grouped, sentences)
@@ -578,8 +582,13 @@ class DecodingState:
         if self.sentences is not None:
             return self.sentences
         per_sentence = self.self_k.shape[1] // self.num_sentences
-        device = self.memory_mask.device
+        device = self.memory_k[0].device
         return torch.arange(self.num_sentences, device=device).repeat_interleave(per_sentence)
+
+
+def _unless_all_true(mask: Tensor) -> Tensor | None:
+    """None for a padding mask without padding: attention then skips masking altogether."""
+    return None if bool(mask.all()) else mask
 
 
 def _take_rows(cache: Tensor, rows: Tensor, length: int) -> Tensor:

@@ -120,11 +120,13 @@ def test_cached_decoding_follows_beam_search_reorders(cfg):
     assert state.num_sentences == 1  # finished sentences' encoder memory was dropped
 
 
-def test_decoding_one_row_per_sentence_then_beams():
+@pytest.mark.parametrize("lengths", [[5, 3], [5, 5]], ids=["padded", "no_padding"])
+def test_decoding_one_row_per_sentence_then_beams(lengths):
     """The search may start with one row per sentence and expand to the beam on reorder."""
     model = make_model()
-    src = pad_after(tokens(2, 5), [5, 3])
+    src = pad_after(tokens(2, 5), lengths)
     state = model.start_decoding(src)
+    assert (state.memory_mask is None) == (lengths == [5, 5])
     bos = torch.ones(2, dtype=torch.long)
     model.decode_step(bos, state)
     state.reorder(torch.tensor([0, 0, 0, 1, 1, 1]))
@@ -133,6 +135,13 @@ def test_decoding_one_row_per_sentence_then_beams():
     logprobs = model.decode_step(next_tokens[:, 0], state)
     prefixes = torch.cat([torch.ones(6, 1, dtype=torch.long), next_tokens], dim=1)
     expected = reference_logprobs(model, src.repeat_interleave(3, dim=0), prefixes)
+    torch.testing.assert_close(logprobs, expected, **TOL)
+    rows = torch.tensor([4, 0, 5, 1])  # sentences interleaved: rows read memory by index
+    state.reorder(rows)
+    assert state.sentences is not None
+    prefixes = torch.cat([prefixes[rows], tokens(4, 1, seed=5)], dim=1)
+    logprobs = model.decode_step(prefixes[:, -1], state)
+    expected = reference_logprobs(model, src[torch.tensor([1, 0, 1, 0])], prefixes)
     torch.testing.assert_close(logprobs, expected, **TOL)
 
 
