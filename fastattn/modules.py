@@ -101,6 +101,9 @@ class MultiHeadAttention(nn.Module):
             nn.init.xavier_normal_(self.bias_k)
             nn.init.xavier_normal_(self.bias_v)
 
+    # torch's own; nn.TransformerEncoderLayer's inference fast path calls it on its self_attn.
+    merge_masks = nn.MultiheadAttention.merge_masks
+
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> MultiHeadAttention:
         """A fastattn copy of a torch.nn.MultiheadAttention: same configuration, weights, mode."""

@@ -1,6 +1,8 @@
 """fastattn.modules against PyTorch: MultiHeadAttention is a drop-in for nn.MultiheadAttention,
 ResidualLayerNorm and LabelSmoothedCrossEntropy match their unfused definitions."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -369,3 +371,28 @@ def test_label_smoothed_cross_entropy_matches_torch(reduction):
     torch.testing.assert_close(g_ours, g_ref.float(), **tol)
     with pytest.raises(ValueError, match="class"):
         LabelSmoothedCrossEntropy()(logits, target[:, :3])
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")  # torch, odd head count
+@pytest.mark.parametrize("training", [True, False])
+def test_converted_nn_transformer_matches_the_original(training):
+    """nn.Transformer calls its attention with causal hints and padding masks; in eval under
+    no_grad its encoder takes torch's fast path, which reads our parameters and merge_masks."""
+    torch.manual_seed(0)
+    theirs = nn.Transformer(E, H, 2, 2, 16, dropout=0.0, batch_first=True).train(training)
+    ours = replace_multihead_attention(copy.deepcopy(theirs))
+    assert sum(type(m) is MultiHeadAttention for m in ours.modules()) == 6
+    src, tgt = torch.randn(N, S, E), torch.randn(N, L, E)
+    padding = torch.zeros(N, S, dtype=torch.bool)
+    padding[1, 4:] = True
+    kwargs = {"tgt_mask": nn.Transformer.generate_square_subsequent_mask(L), "tgt_is_causal": True,
+              "src_key_padding_mask": padding, "memory_key_padding_mask": padding}
+    with torch.set_grad_enabled(training):
+        expected, out = theirs(src, tgt, **kwargs), ours(src, tgt, **kwargs)
+    torch.testing.assert_close(out, expected, **TOL)
+    if training:
+        grad = torch.randn_like(out)
+        (out * grad).sum().backward()
+        (expected * grad).sum().backward()
+        for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
+            torch.testing.assert_close(a.grad, b.grad, **TOL, msg=name)
