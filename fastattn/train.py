@@ -161,7 +161,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "0.3 big)")
 
     g = parser.add_argument_group("optimisation")
-    add(g, "--lr-scale", type=float, default=3.0, help="multiplies the paper's schedule")
+    add(g, "--lr-scale", type=float, default=2.0, help="multiplies the paper's schedule")
     add(g, "--warmup", type=int, default=1000, help="warmup updates of the schedule")
     add(g, "--adam-betas", type=float, nargs=2, default=(0.9, 0.98))
     add(g, "--adam-eps", type=float, default=1e-9)
@@ -183,7 +183,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = parser.add_argument_group("checkpoints")
     add(g, "--save-dir", default="checkpoints/{data}-{src}-{tgt}",
         help="checkpoint directory ({data}, {src}, {tgt} are filled in)")
-    add(g, "--save-every", type=int, default=250, help="save every N updates (0: off)")
+    add(g, "--save-every", type=int, default=200, help="save every N updates (0: off)")
     add(g, "--save-every-minutes", type=float, default=0.0, help="also save every M minutes")
     add(g, "--keep", type=int, default=10, help="numbered checkpoints to keep")
     add(g, "--resume", action="store_true", help="continue from the newest checkpoint in "
@@ -493,7 +493,7 @@ class Run:
 
     def log(self, message: str) -> None:
         if self.main:
-            print(message, file=sys.stderr if self.args.no_progress else sys.stdout, flush=True)
+            print(message, flush=True)
             if hasattr(self, "bar"):
                 self.bar.refresh()
 

@@ -1,0 +1,240 @@
+"""fastattn.train: the schedule, one update (accumulation, NaN guard), flags, bad input, and an
+exact resume after SIGKILL."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fastattn import checkpoint, data
+from fastattn.model import PRESETS, Transformer
+from fastattn.train import LossModule, learning_rate, parse_args, train_step
+
+
+def test_learning_rate_schedule():
+    d, warmup = 512, 4000
+    peak = d**-0.5 * warmup**-0.5
+    assert learning_rate(warmup, d, warmup) == pytest.approx(peak)
+    assert learning_rate(warmup // 4, d, warmup) == pytest.approx(peak / 4)  # linear warmup
+    assert learning_rate(4 * warmup, d, warmup) == pytest.approx(peak / 2)  # inverse sqrt
+    assert learning_rate(100, d, warmup, scale=3.0) == pytest.approx(3 * learning_rate(100, d,
+                                                                                         warmup))
+
+
+def tiny_model(dtype=torch.float64, seed=0):
+    torch.manual_seed(seed)
+    config = replace(PRESETS["tiny"], vocab_size=50, dropout=0.0, label_smoothing=0.1)
+    return Transformer(config).to(dtype)
+
+
+def random_batch(rows, src_len, tgt_len, seed):
+    g = torch.Generator().manual_seed(seed)
+    src = [torch.randint(4, 50, (int(n),), generator=g).tolist()
+           for n in torch.randint(1, src_len, (rows,), generator=g)]
+    tgt = [torch.randint(4, 50, (int(n),), generator=g).tolist()
+           for n in torch.randint(1, tgt_len, (rows,), generator=g)]
+    return src, tgt
+
+
+def update(model, batches, **kwargs):
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
+    result = train_step(LossModule(model), optimizer, batches, **kwargs)
+    return result, [p.detach().clone() for p in model.parameters()]
+
+
+def test_accumulated_micro_batches_equal_one_batch():
+    src, tgt = random_batch(9, 7, 9, seed=1)
+    whole = data.collate(src, tgt, range(9))
+    parts = [data.collate(src, tgt, range(4)), data.collate(src, tgt, range(4, 9))]
+    one, after_one = update(tiny_model(), [whole])
+    two, after_two = update(tiny_model(), parts)
+    assert one.ok and two.ok and one.tokens == two.tokens == sum(len(t) + 1 for t in tgt)
+    # The fused loss accumulates in fp32 whatever the input dtype: compare at fp32 precision.
+    assert two.loss == pytest.approx(one.loss, rel=1e-6)
+    assert two.grad_norm == pytest.approx(one.grad_norm, rel=1e-5)
+    for a, b in zip(after_one, after_two, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_update_changes_the_model_and_the_loss_per_token_is_right():
+    src, tgt = random_batch(5, 6, 6, seed=2)
+    batch = data.collate(src, tgt, range(5))
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        expected = float(model.loss(*batch, reduction="mean"))
+    result, after = update(model, [batch])
+    assert result.loss == pytest.approx(expected, rel=1e-6)
+    assert all(not torch.equal(a, b) for a, b in zip(before, after, strict=True)
+               if a.dim() == 2)
+
+
+def test_nan_guard_skips_the_update():
+    src, tgt = random_batch(4, 5, 5, seed=3)
+    model = tiny_model()
+    with torch.no_grad():
+        model.encoder.layers[0].feed_forward.w1.weight[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    result, after = update(model, [data.collate(src, tgt, range(4))])
+    assert not result.ok
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_clipping_bounds_the_update():
+    src, tgt = random_batch(4, 5, 5, seed=4)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    before = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    result = train_step(LossModule(model), optimizer, [data.collate(src, tgt, range(4))],
+                        clip_norm=0.01)
+    moved = torch.nn.utils.parameters_to_vector(model.parameters()).detach() - before
+    assert result.grad_norm > 0.01  # the norm before clipping is reported
+    assert float(moved.norm()) == pytest.approx(0.01, rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+        (["--src", "de", "--tgt", "de"], "must differ"),
+        (["--data", "wmt"], "--data must be 'multi30k' or 'files'"),
+        (["--data", "files"], "needs --train"),
+        (["--src", "cs"], "multi30k languages"),
+        (["--dropout", "1.5"], "--dropout must be in"),
+        (["--preset", "huge"], "invalid choice"),
+        (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
+        (["--warmup", "many"], "invalid int value"),
+    ],
+)
+def test_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_help_shows_defaults_and_paper_values(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert "[paper: 4000]" in out and "(default: 1000)" in out and "[paper: base]" in out
+
+
+# --- the command line, in subprocesses ---------------------------------------------------------
+
+
+def corpus(tmp_path, lines=120):
+    """A small real parallel corpus (the first Multi30k lines) as plain files."""
+    train = data.load_multi30k("train", "en", "de")
+    paths = {}
+    for name, rows in [("train", slice(0, lines)), ("valid", slice(lines, lines + 8))]:
+        for side, text in [("en", train.src[rows]), ("de", train.tgt[rows])]:
+            paths[name, side] = tmp_path / f"{name}.{side}"
+            paths[name, side].write_text("\n".join(text) + "\n", encoding="utf-8")
+    return paths
+
+
+def train_command(paths, save_dir, *extra):
+    return [
+        sys.executable, "-m", "fastattn.train", "--data", "files",
+        "--train", str(paths["train", "en"]), str(paths["train", "de"]),
+        "--valid", str(paths["valid", "en"]), str(paths["valid", "de"]),
+        "--preset", "tiny", "--vocab-size", "200", "--max-tokens", "300", "--precision", "fp32",
+        "--threads", "1", "--eval-every", "0", "--log-every", "1", "--no-progress",
+        "--average-last", "2", "--keep", "2", "--beam", "2", "--max-len-b", "3",
+        "--save-dir", str(save_dir), *map(str, extra),
+    ]
+
+
+def losses(metrics_path):
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_continue_exactly(tmp_path):
+    paths = corpus(tmp_path)
+    updates, kill_after = 24, 8
+    reference = subprocess.run(
+        train_command(paths, tmp_path / "ref", "--max-updates", updates, "--save-every", 4),
+        capture_output=True, text=True, timeout=600)
+    assert reference.returncode == 0, reference.stderr
+    expected = losses(tmp_path / "ref" / "metrics.jsonl")
+    assert sorted(expected) == list(range(1, updates + 1))
+
+    run_dir = tmp_path / "run"
+    command = train_command(paths, run_dir, "--max-updates", updates, "--save-every", 4)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not (run_dir / f"checkpoint_{kill_after:08d}.pt").exists():
+        assert process.poll() is None, "the run ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    resumed_from = checkpoint.load_checkpoint(checkpoint.list_checkpoints(run_dir)[-1])
+    start = resumed_from["meta"]["step"]
+    assert kill_after <= start < updates
+
+    resumed = subprocess.run(
+        [*command, "--resume", "--metrics", tmp_path / "resumed.jsonl"],
+        capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and f"at update {start}" in resumed.stdout
+    after = losses(tmp_path / "resumed.jsonl")
+    assert sorted(after) == list(range(start + 1, updates + 1))
+    for step, value in after.items():
+        assert value == expected[step], f"update {step} differs after the resume"
+    final_ref = checkpoint.load_checkpoint(tmp_path / "ref" / f"checkpoint_{updates:08d}.pt")
+    final_run = checkpoint.load_checkpoint(run_dir / f"checkpoint_{updates:08d}.pt")
+    for name, tensor in final_ref["model"].items():
+        assert torch.equal(tensor, final_run["model"][name]), name
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "fastattn.train", *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("problem", "fragments"),
+    [("misaligned", ["has 3 lines but", "has 2"]), ("empty", [":2: empty line"]),
+     ("utf8", [":1: invalid UTF-8"]), ("missing", ["no such file"])],
+)
+def test_bad_data_is_one_clear_line(tmp_path, problem, fragments):
+    src, tgt = tmp_path / "train.en", tmp_path / "train.de"
+    src.write_bytes(b"a cat\na dog\na bird\n")
+    tgt.write_bytes({"misaligned": b"eine Katze\nein Hund\n",
+                     "empty": b"eine Katze\n \nein Vogel\n",
+                     "utf8": b"eine \xc3\x28Katze\nein Hund\nein Vogel\n",
+                     "missing": b""}[problem])
+    if problem == "missing":
+        tgt.unlink()
+    result = run_cli("--data", "files", "--train", src, tgt, "--valid", src, src,
+                     "--save-dir", tmp_path / "out")
+    assert_one_line_error(result, str(tgt) if problem != "misaligned" else str(src), *fragments)
+
+
+def test_corrupt_checkpoint_on_resume_is_one_clear_line(tmp_path):
+    paths = corpus(tmp_path, lines=20)
+    save_dir = tmp_path / "run"
+    save_dir.mkdir()
+    (save_dir / "checkpoint_00000004.pt").write_bytes(b"fastattn-checkpoint 00 99\nshort")
+    result = subprocess.run(train_command(paths, save_dir, "--resume"), capture_output=True,
+                            text=True, timeout=300)
+    assert_one_line_error(result, "checkpoint_00000004.pt", "truncated or corrupt")
