@@ -176,16 +176,19 @@ torch.library.register_autograd(
 )
 
 
-def _cross_entropy_rows_torch(logits, target, smoothing, ignore_index):
-    """Per-row (loss, nll) in fp32 with PyTorch's native kernels and autograd."""
-    if smoothing == 0:
-        nll = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none").float()
-        return nll, nll
+def _cross_entropy_rows_torch(logits, target, smoothing, ignore_index, need_nll=True):
+    """Per-row (loss, nll or None) in fp32 with PyTorch's native kernels and autograd: one
+    F.cross_entropy when it suffices, else one log_softmax shared by both terms."""
+    half = logits.dtype == torch.float16  # summing V log-probabilities overflows fp16
+    if smoothing == 0 or not (need_nll or half):
+        loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none",
+                               label_smoothing=smoothing).float()
+        return loss, loss if smoothing == 0 else None
     valid = target != ignore_index
     logp = logits.log_softmax(-1)
     nll = -logp.gather(1, target.masked_fill(~valid, 0)[:, None])[:, 0].float()
-    smooth = -logp.mean(-1, dtype=torch.float32)
-    loss = (1 - smoothing) * nll + smoothing * smooth
+    total = logp.sum(-1, dtype=torch.float32) if half else logp.sum(-1).float()
+    loss = (1 - smoothing) * nll - smoothing * total / logits.shape[1]
     return loss.masked_fill(~valid, 0), nll.masked_fill(~valid, 0)
 
 
@@ -267,7 +270,7 @@ def label_smoothed_cross_entropy(
             logits.contiguous(), target.contiguous(), float(smoothing), ignore_index
         )
     else:
-        loss, nll = _cross_entropy_rows_torch(logits, target, smoothing, ignore_index)
+        loss, nll = _cross_entropy_rows_torch(logits, target, smoothing, ignore_index, return_nll)
     loss = _reduce(loss, target, ignore_index, reduction).to(logits.dtype)
     if not return_nll:
         return loss

@@ -75,6 +75,24 @@ def test_matches_float64_reference(vocab, dtype, smoothing, reduction):
         )
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_loss_alone_matches_loss_with_nll(dtype, reduction):
+    """Without return_nll the PyTorch path takes F.cross_entropy directly: same loss, same grad."""
+    logits = (torch.randn(N, 1000) * 4).to(dtype)
+    target = _target(N, 1000)
+    x, y = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    alone = label_smoothed_cross_entropy(x, target, 0.1, reduction=reduction)
+    with_nll, _ = label_smoothed_cross_entropy(y, target, 0.1, reduction=reduction,
+                                               return_nll=True)
+    grad_output = _grad_output(alone).to(dtype)
+    (alone * grad_output).sum().backward()
+    (with_nll * grad_output).sum().backward()
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-3)
+    torch.testing.assert_close(alone, with_nll, **tol)
+    torch.testing.assert_close(x.grad, y.grad, **tol)
+
+
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_ignore_index_is_a_real_class(smoothing):
     """ignore_index=0 (a padding id): rows targeting class 0 are ignored, class 0 still counts
