@@ -44,7 +44,11 @@ def pad_after(x, lengths):
     return x
 
 
-@pytest.mark.parametrize("cfg", VARIANTS.values(), ids=VARIANTS.keys())
+# The variants that change what the tests below exercise (the interpreter backend is slow).
+ATTENTION_VARIANTS = {k: VARIANTS[k] for k in ("paper", "d_k_ne_d_v")}
+
+
+@pytest.mark.parametrize("cfg", ATTENTION_VARIANTS.values(), ids=ATTENTION_VARIANTS.keys())
 def test_decoder_is_causal(cfg):
     model = make_model(cfg)
     src, tgt = pad_after(tokens(2, 7), [7, 4]), tokens(2, 6, seed=2)
@@ -57,7 +61,7 @@ def test_decoder_is_causal(cfg):
         assert not torch.allclose(other[:, j:], logits[:, j:])  # the change itself is seen
 
 
-@pytest.mark.parametrize("cfg", VARIANTS.values(), ids=VARIANTS.keys())
+@pytest.mark.parametrize("cfg", ATTENTION_VARIANTS.values(), ids=ATTENTION_VARIANTS.keys())
 def test_padding_changes_nothing(cfg):
     """A sentence gives the same logits alone, in a batch, and with extra padding."""
     model = make_model(cfg)
@@ -88,7 +92,7 @@ def test_cached_decoding_equals_teacher_forcing(cfg):
     assert state.length == 7 and state.capacity >= 7
 
 
-@pytest.mark.parametrize("cfg", [TINY, VARIANTS["d_k_ne_d_v"]], ids=["paper", "d_k_ne_d_v"])
+@pytest.mark.parametrize("cfg", ATTENTION_VARIANTS.values(), ids=ATTENTION_VARIANTS.keys())
 def test_cached_decoding_follows_beam_search_reorders(cfg):
     """Rows are expanded, shuffled, duplicated and dropped, and sentences finish and leave, as
     in beam search; every step equals the teacher-forced forward of the row's prefix."""
@@ -103,10 +107,8 @@ def test_cached_decoding_follows_beam_search_reorders(cfg):
         None,
         torch.tensor([1, 1, 2, 3, 5, 4]),  # grouped, rows duplicated within a sentence
         torch.tensor([2, 3, 4, 5]),  # sentence 0 finished
-        torch.tensor([3, 2, 0, 1]),  # sentences out of memory order
-        torch.tensor([0, 2, 2, 1, 3]),  # uneven rows per sentence
-        torch.tensor([2, 1]),  # one row of each
-        torch.tensor([0, 0, 0]),  # back to one sentence, three rows
+        torch.tensor([3, 2, 0, 0, 1]),  # sentences out of memory order, uneven rows
+        torch.tensor([1, 1, 1]),  # back to one sentence, three rows
     ]
     for rows in reorders:
         if rows is not None:
