@@ -51,8 +51,8 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         sizes = ("vocab_size", "encoder_layers", "decoder_layers", "d_model", "d_ff", "heads",
                  "max_len")
-        for name in sizes:
-            if getattr(self, name) <= 0:
+        for name in sizes + ("d_k", "d_v"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"TransformerConfig.{name} must be positive, got "
                                  f"{getattr(self, name)}")
         if (self.d_k is None or self.d_v is None) and self.d_model % self.heads:
