@@ -45,14 +45,14 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
-def _masked_scores(s, rows, cols, mask_ptr, stride_mm, stride_mn, Lq, Lk, causal_shift,
+def _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
                    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr):
     """Scores s (log2 units) for query `rows` x key `cols` (broadcastable index blocks, so both
     tile orientations work), with the mask applied: -inf where query may not attend to key.
     CHECK_BOUNDS=False is for tiles known to lie inside Lk and below the causal diagonal."""
     if MASK_KIND != 0:
         in_bounds = (rows < Lq) & (cols < Lk)
-        m = tl.load(mask_ptr + rows * stride_mm + cols * stride_mn, mask=in_bounds, other=0)
+        m = tl.load(mask_ptr + rows * stride_mm + cols, mask=in_bounds, other=0)
         if MASK_KIND == 1:
             s = tl.where(m != 0, s, float("-inf"))
         else:
@@ -66,18 +66,26 @@ def _masked_scores(s, rows, cols, mask_ptr, stride_mm, stride_mn, Lq, Lk, causal
 
 
 @triton.jit
-def _dropout_keep(philox_seed, philox_offset, bh, rows, cols, Lq, Lk, dropout_p):
-    """Keep-mask for the (rows, cols) tile of head bh: Philox counter = offset + flat index of
-    (bh, row, col), so every element has its own stream and the backward redraws the same bits."""
-    counter = philox_offset + (bh.to(tl.int64) * Lq + rows) * Lk + cols
-    return tl.rand(philox_seed, counter) >= dropout_p
+def _dropout_keep(philox_seed, philox_offset, bh, row_start, col_start, Lq, Lk, dropout_p,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Keep-mask of the (BLOCK_M queries from row_start) x (BLOCK_N keys from col_start) tile of
+    head bh. One Philox call yields four 32-bit numbers, so each counter covers four keys:
+    counter = offset + flat index of (bh, row, key // 4). Every element has its own bits, and the
+    backward, visiting the same tiles, redraws exactly the forward's mask."""
+    rows = row_start + tl.arange(0, BLOCK_M)[:, None]
+    groups = col_start // 4 + tl.arange(0, BLOCK_N // 4)[None, :]
+    counter = philox_offset + (bh.to(tl.int64) * Lq + rows) * tl.cdiv(Lk, 4) + groups
+    r0, r1, r2, r3 = tl.randint4x(philox_seed, counter)
+    bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK_M, BLOCK_N])
+    return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
 @triton.jit
-def _attn_fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptr, offs_m, offs_n, offs_d,
-                    stride_kn, stride_vn, stride_mm, stride_mn, Lq, Lk, causal_shift, qk_scale,
-                    dropout_p, philox_seed, philox_offset, bh, lo, hi,
-                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, offs_d,
+                    stride_kn, stride_vn, stride_mm, Lq, Lk, causal_shift, qk_scale,
+                    dropout_p, philox_seed, philox_offset, bh, row_start, lo, hi,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    MASK_KIND: tl.constexpr,
                     CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
                     DOT_PRECISION: tl.constexpr):
     """Online softmax over key tiles [lo, hi): running max m_i, running sum l_i, output acc."""
@@ -85,9 +93,9 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptr, offs_m, offs_n, 
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n[None, :]
         kv_mask = (cols < Lk) & (offs_d[:, None] < HEAD_DIM)
-        k_t = tl.load(k_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)  # (BLOCK_D, BLOCK_N)
+        k_t = tl.load(k_base + cols * stride_kn + offs_d[:, None], mask=kv_mask, other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-        s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, stride_mn, Lq, Lk, causal_shift,
+        s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
                            MASK_KIND, CAUSAL, CHECK_BOUNDS)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing allowed yet has m_new = -inf; shift by 0 instead so exp2 gives 0.
@@ -96,9 +104,10 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptr, offs_m, offs_n, 
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the normaliser l_i sums the probabilities before dropout
-            p = tl.where(_dropout_keep(philox_seed, philox_offset, bh, rows, cols, Lq, Lk,
-                                       dropout_p), p, 0.0)
-        v = tl.load(v_ptrs + start_n * stride_vn, mask=kv_mask.T, other=0.0)  # (BLOCK_N, BLOCK_D)
+            keep = _dropout_keep(philox_seed, philox_offset, bh, row_start, start_n, Lq, Lk,
+                                 dropout_p, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
+        v = tl.load(v_base + cols.T * stride_vn + offs_d[None, :], mask=kv_mask.T, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -107,7 +116,7 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptr, offs_m, offs_n, 
 @triton.jit
 def _attn_fwd(Q, K, V, Mask, Out, Lse,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-              stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
+              stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
               H, Lq, Lk, causal_shift, qk_scale, dropout_p, philox_seed, philox_offset,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
@@ -133,8 +142,8 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
     offs_d = tl.arange(0, BLOCK_D)
     q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    k_ptrs = K + b * stride_kb + h * stride_kh + offs_n[None, :] * stride_kn + offs_d[:, None]
-    v_ptrs = V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    k_base = K + b * stride_kb + h * stride_kh
+    v_base = V + b * stride_vb + h * stride_vh
     mask_ptr = Mask + b * stride_mb + h * stride_mh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -150,14 +159,16 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
         n_full = Lk
     n_full = n_full // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _attn_fwd_tiles(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptr, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-        stride_mm, stride_mn, Lq, Lk, causal_shift, qk_scale, dropout_p, philox_seed,
-        philox_offset, bh, 0, n_full, HEAD_DIM, BLOCK_N, MASK_KIND, CAUSAL, DROPOUT, False,
+        acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, offs_d, stride_kn, stride_vn,
+        stride_mm, Lq, Lk, causal_shift, qk_scale, dropout_p, philox_seed,
+        philox_offset, bh, pid_m * BLOCK_M, 0, n_full, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_KIND,
+        CAUSAL, DROPOUT, False,
         DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_tiles(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, mask_ptr, offs_m, offs_n, offs_d, stride_kn, stride_vn,
-        stride_mm, stride_mn, Lq, Lk, causal_shift, qk_scale, dropout_p, philox_seed,
-        philox_offset, bh, n_full, hi, HEAD_DIM, BLOCK_N, MASK_KIND, CAUSAL, DROPOUT, True,
+        acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, offs_d, stride_kn, stride_vn,
+        stride_mm, Lq, Lk, causal_shift, qk_scale, dropout_p, philox_seed,
+        philox_offset, bh, pid_m * BLOCK_M, n_full, hi, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_KIND,
+        CAUSAL, DROPOUT, True,
         DOT_PRECISION)
 
     empty = l_i == 0.0
@@ -190,7 +201,7 @@ def _attn_bwd_delta(Out, dOut, Delta, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: t
 @triton.jit
 def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                   stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
+                   stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
                    H, Lq, Lk, causal_shift, qk_scale, sm_scale, dropout_p, philox_seed,
                    philox_offset, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -233,12 +244,13 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
                       other=float("inf")) * 1.4426950408889634
         delta = tl.load(Delta + row0 + start_m + offs_m, mask=start_m + offs_m < Lq, other=0.0)
         s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale
-        s_t = _masked_scores(s_t, rows, cols, mask_ptr, stride_mm, stride_mn, Lq, Lk,
+        s_t = _masked_scores(s_t, rows, cols, mask_ptr, stride_mm, Lq, Lk,
                              causal_shift, MASK_KIND, CAUSAL, True)
         p_t = tl.math.exp2(s_t - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = _dropout_keep(philox_seed, philox_offset, bh, rows, cols, Lq, Lk, dropout_p)
+            keep = tl.trans(_dropout_keep(philox_seed, philox_offset, bh, start_m,
+                                          pid_n * BLOCK_N, Lq, Lk, dropout_p, BLOCK_M, BLOCK_N))
             inv_keep = 1.0 / (1.0 - dropout_p)
             p_drop_t = tl.where(keep, p_t * inv_keep, 0.0)
             dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
@@ -255,7 +267,7 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
 @triton.jit
 def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
-                 stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm, stride_mn,
+                 stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
                  H, Lq, Lk, causal_shift, qk_scale, sm_scale, dropout_p, philox_seed,
                  philox_offset, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
@@ -293,12 +305,13 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
         k_t = tl.load(k_t_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
         v_t = tl.load(v_t_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
-        s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, stride_mn, Lq, Lk, causal_shift,
+        s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
                            MASK_KIND, CAUSAL, True)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = _dropout_keep(philox_seed, philox_offset, bh, rows, cols, Lq, Lk, dropout_p)
+            keep = _dropout_keep(philox_seed, philox_offset, bh, pid_m * BLOCK_M, start_n, Lq,
+                                 Lk, dropout_p, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
@@ -313,39 +326,45 @@ def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offse
     bh = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    keep = _dropout_keep(philox_seed, philox_offset, bh, rows, cols, Lq, Lk, dropout_p)
+    keep = _dropout_keep(philox_seed, philox_offset, bh, tl.program_id(0) * BLOCK_M,
+                         tl.program_id(1) * BLOCK_N, Lq, Lk, dropout_p, BLOCK_M, BLOCK_N)
     tl.store(Keep + (bh.to(tl.int64) * Lq + rows) * Lk + cols, keep.to(tl.int8),
              mask=(rows < Lq) & (cols < Lk))
 
 
 # ---------------------------------------------------------------------------------------------
 # Block sizes: (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed on the padded head dim and the
-# element size. Like flash-attn and the Triton tutorial: 128-query tiles while the fp32
-# accumulator fits in registers, fewer keys per tile and more warps as the head dim grows, and
-# half the tile for fp32 inputs (twice the bytes in shared memory, tf32 MMA). The backward keeps
-# two (BLOCK_N, D) accumulators in dK/dV and one (BLOCK_M, D) in dQ, hence narrower tiles.
-# Hopper and Ampere share the table: 4 or 8 warps and multiples of 64 rows suit wgmma and mma.
+# element size, in the spirit of flash-attn's and the Triton tutorial's tables. Chosen with the
+# compile report so that the heaviest variant (mask + causal + dropout) of every entry up to head
+# dim 128 keeps within 255 registers per thread on sm_80 without spilling:
+# - forward: 128 queries x 64 keys while the (BLOCK_M, D) fp32 accumulator and the score tile
+#   fit; 64 x 32 at D = 128 and D = 256. 8 warps spread the accumulator.
+# - dK/dV: two (BLOCK_N, D) fp32 accumulators per program, hence narrower tiles than the dQ
+#   pass, which holds one (BLOCK_M, D) accumulator.
+# - fp32 inputs: half the tiles or less, since the exact fp32 product runs on FMA units, where
+#   the operands live in registers instead of being fed to tensor cores.
+# Ampere and Hopper share the table (Hopper runs the mma path for these tile shapes).
 # ---------------------------------------------------------------------------------------------
 
 FWD_CONFIGS = {  # (block_d, element size) -> config
-    (16, 2): (128, 64, 4, 3), (32, 2): (128, 64, 4, 3), (64, 2): (128, 64, 4, 3),
-    (128, 2): (128, 64, 8, 3), (256, 2): (64, 64, 8, 2),
-    (16, 4): (64, 64, 4, 2), (32, 4): (64, 64, 4, 2), (64, 4): (64, 64, 4, 2),
-    (128, 4): (64, 32, 4, 2), (256, 4): (64, 32, 8, 1),
+    (16, 2): (128, 64, 8, 3), (32, 2): (128, 64, 8, 3), (64, 2): (128, 64, 8, 3),
+    (128, 2): (64, 32, 8, 3), (256, 2): (64, 32, 8, 2),
+    (16, 4): (64, 32, 8, 2), (32, 4): (64, 32, 8, 2), (64, 4): (64, 32, 8, 2),
+    (128, 4): (32, 32, 8, 2), (256, 4): (32, 32, 8, 1),
 }
 BWD_DKDV_CONFIGS = {
-    (16, 2): (32, 128, 4, 3), (32, 2): (32, 128, 4, 3), (64, 2): (32, 128, 4, 3),
-    (128, 2): (32, 64, 4, 2), (256, 2): (32, 64, 8, 1),
-    (16, 4): (32, 64, 4, 2), (32, 4): (32, 64, 4, 2), (64, 4): (32, 64, 4, 2),
-    (128, 4): (32, 32, 4, 2), (256, 4): (16, 32, 8, 1),
+    (16, 2): (64, 32, 8, 2), (32, 2): (64, 32, 8, 2), (64, 2): (64, 32, 8, 2),
+    (128, 2): (32, 64, 8, 2), (256, 2): (32, 32, 8, 1),
+    (16, 4): (16, 32, 4, 2), (32, 4): (16, 32, 4, 2), (64, 4): (16, 32, 4, 2),
+    (128, 4): (32, 32, 8, 2), (256, 4): (16, 32, 8, 1),
 }
 BWD_DQ_CONFIGS = {
-    (16, 2): (128, 32, 4, 3), (32, 2): (128, 32, 4, 3), (64, 2): (128, 32, 4, 3),
-    (128, 2): (64, 32, 4, 2), (256, 2): (64, 32, 8, 1),
-    (16, 4): (64, 32, 4, 2), (32, 4): (64, 32, 4, 2), (64, 4): (64, 32, 4, 2),
-    (128, 4): (32, 32, 4, 2), (256, 4): (32, 16, 8, 1),
+    (16, 2): (128, 32, 8, 3), (32, 2): (128, 32, 8, 3), (64, 2): (128, 32, 8, 3),
+    (128, 2): (64, 64, 8, 2), (256, 2): (64, 32, 8, 1),
+    (16, 4): (32, 32, 4, 2), (32, 4): (32, 32, 4, 2), (64, 4): (32, 32, 4, 2),
+    (128, 4): (32, 32, 8, 2), (256, 4): (16, 16, 8, 1),
 }
-DELTA_BLOCK_M = 64
+DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
 
 
 def _block_d(head_dim: int) -> int:
@@ -366,47 +385,55 @@ def _dot_precision(dtype: torch.dtype) -> str:
 _TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
 
-def _kernel_signature(kernel, dtype_name: str, mask_kind: int) -> dict[str, str]:
-    """The ASTSource signature of an attention kernel, for the compile report."""
-    mask_type = {NO_MASK: "*" + dtype_name, BOOL_MASK: "*u8", FLOAT_MASK: "*" + dtype_name}[mask_kind]
-    types = {"Q": "*" + dtype_name, "K": "*" + dtype_name, "V": "*" + dtype_name,
-             "Mask": mask_type, "Out": "*" + dtype_name, "dOut": "*" + dtype_name,
-             "dQ": "*" + dtype_name, "dK": "*" + dtype_name, "dV": "*" + dtype_name,
-             "Lse": "*fp32", "Delta": "*fp32", "qk_scale": "fp32", "sm_scale": "fp32",
-             "dropout_p": "fp32", "philox_seed": "i64", "philox_offset": "i64"}
-    return {p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32")
-            for p in kernel.params}
+def _kernel_signature(kernel, dtype_name: str, mask_kind: int, head_dim: int) -> dict[str, str]:
+    """The ASTSource signature of an attention kernel, for the compile report, with the ":16"
+    divisibility hints Triton's launcher would find: torch allocations are 16-byte aligned, and
+    the q/k/v strides are multiples of the head dim in the (B, H, L, D) and (B, L, H, D) layouts."""
+    mask_type = {NO_MASK: dtype_name, BOOL_MASK: "u8", FLOAT_MASK: dtype_name}[mask_kind]
+    types = {"Mask": f"*{mask_type}:16", "Lse": "*fp32:16", "Delta": "*fp32:16",
+             "qk_scale": "fp32", "sm_scale": "fp32", "dropout_p": "fp32", "philox_seed": "i64",
+             "philox_offset": "i64"}
+    signature = {}
+    for param in kernel.params:
+        name = param.name
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+        elif name in ("Q", "K", "V", "Out", "dOut", "dQ", "dK", "dV"):
+            signature[name] = f"*{dtype_name}:16"
+        elif name[:-1] in ("stride_q", "stride_k", "stride_v") and head_dim % 16 == 0:
+            signature[name] = "i32:16"
+        else:
+            signature[name] = "i32"
+    return signature
 
 
 def compile_configs() -> list[dict]:
     """Every configuration the launchers can pick, for fastattn.kernels.compile_report: each
-    table entry at its padded head dim (plus the head dims 40, 80, 96 that pad), fp16 (bf16 uses
-    the same tiles) and fp32, each in its lightest (no mask) and heaviest (bool mask, causal,
-    dropout) feature set."""
+    table entry (padded head dim x element size; bf16 shares fp16's tiles, and head dims such as
+    40, 80, 96 their padded entry's) for the forward, both backward passes and the Delta pass.
+    Each kernel is compiled in its heaviest feature set (bool mask, causal, dropout), which holds
+    the most live registers: a configuration that does not spill there does not spill at all."""
     configs = []
-    head_dims = sorted({bd for bd, _ in FWD_CONFIGS} | {40, 80, 96})
-    for head_dim in head_dims:
-        for dtype in (torch.float16, torch.float32):
-            name = _TRITON_DTYPES[dtype]
-            for kernel, table in ((_attn_fwd, FWD_CONFIGS), (_attn_bwd_dkdv, BWD_DKDV_CONFIGS),
-                                  (_attn_bwd_dq, BWD_DQ_CONFIGS)):
-                block_m, block_n, num_warps, num_stages = _config(table, head_dim, dtype)
-                for mask_kind, causal, dropout in ((NO_MASK, False, False),
-                                                   (BOOL_MASK, True, True)):
-                    constexprs = dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-                                      BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=mask_kind,
-                                      CAUSAL=causal, DROPOUT=dropout,
-                                      DOT_PRECISION=_dot_precision(dtype))
-                    features = "mask+causal+dropout" if dropout else "plain"
-                    configs.append(dict(
-                        name=f"{kernel.__name__} d={head_dim} {name} {features}", fn=kernel,
-                        signature=_kernel_signature(kernel, name, mask_kind),
-                        constexprs=constexprs, num_warps=num_warps, num_stages=num_stages))
+    for block_d, element_size in FWD_CONFIGS:
+        dtype = torch.float16 if element_size == 2 else torch.float32
+        name = _TRITON_DTYPES[dtype]
+        for kernel, table in ((_attn_fwd, FWD_CONFIGS), (_attn_bwd_dkdv, BWD_DKDV_CONFIGS),
+                              (_attn_bwd_dq, BWD_DQ_CONFIGS)):
+            block_m, block_n, num_warps, num_stages = _config(table, block_d, dtype)
             configs.append(dict(
-                name=f"_attn_bwd_delta d={head_dim} {name}", fn=_attn_bwd_delta,
-                signature=_kernel_signature(_attn_bwd_delta, name, NO_MASK),
-                constexprs=dict(HEAD_DIM=head_dim, BLOCK_D=_block_d(head_dim),
-                                BLOCK_M=DELTA_BLOCK_M), num_warps=4, num_stages=1))
+                name=f"{kernel.__name__} d={block_d} {name} mask+causal+dropout", fn=kernel,
+                signature=_kernel_signature(kernel, name, BOOL_MASK, block_d),
+                constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=block_m,
+                                BLOCK_N=block_n, MASK_KIND=BOOL_MASK, CAUSAL=True, DROPOUT=True,
+                                DOT_PRECISION=_dot_precision(dtype)),
+                num_warps=num_warps, num_stages=num_stages))
+        configs.append(dict(
+            name=f"_attn_bwd_delta d={block_d} {name}", fn=_attn_bwd_delta,
+            signature=_kernel_signature(_attn_bwd_delta, name, NO_MASK, block_d),
+            constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=DELTA_TILE // block_d),
+            num_warps=4, num_stages=1))
     return configs
 
 
@@ -416,14 +443,17 @@ def compile_configs() -> list[dict]:
 
 
 def _mask_args(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):
-    """(tensor, kind, 4 strides) for the kernels: broadcast dims get stride 0, bools read as u8."""
+    """(tensor, kind, (batch, head, query) strides) for the kernels, which read keys with unit
+    stride (contiguous, vectorisable loads) and broadcast dims with stride 0; bools as u8."""
     if attn_mask is None:
-        return q, NO_MASK, (0, 0, 0, 0)  # never read
+        return q, NO_MASK, (0, 0, 0)  # never read
     b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if attn_mask.stride(-1) != 1 or attn_mask.shape[-1] != lk:
+        # Rare: a transposed mask, or one broadcast over keys: copy it, at its own size.
+        attn_mask = attn_mask.expand(*attn_mask.shape[:-1], lk).contiguous()
     mask = attn_mask.expand(b, h, lq, lk)  # a view: broadcast dims get stride 0
-    if mask.dtype == torch.bool:
-        return mask.view(torch.uint8), BOOL_MASK, mask.stride()
-    return mask, FLOAT_MASK, mask.stride()
+    kind = BOOL_MASK if mask.dtype == torch.bool else FLOAT_MASK
+    return mask.view(torch.uint8) if kind == BOOL_MASK else mask, kind, mask.stride()[:3]
 
 
 def _causal_shift(causal: str | None, lq: int, lk: int) -> int:
@@ -461,9 +491,10 @@ def _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, caus
     b, h, lq, d = q.shape
     lk = k.shape[2]
     delta = torch.empty_like(lse)
-    _attn_bwd_delta[(triton.cdiv(b * h * lq, DELTA_BLOCK_M),)](
+    delta_rows = DELTA_TILE // _block_d(d)
+    _attn_bwd_delta[(triton.cdiv(b * h * lq, delta_rows),)](
         out, grad_out, delta, b * h * lq, HEAD_DIM=d, BLOCK_D=_block_d(d),
-        BLOCK_M=DELTA_BLOCK_M)
+        BLOCK_M=delta_rows)
     dq = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, h, lk, d), dtype=k.dtype, device=q.device)
     dv = torch.empty((b, h, lk, d), dtype=v.dtype, device=q.device)
@@ -593,9 +624,10 @@ def _attention_torch(q, k, v, causal, attn_mask, dropout_p, scale):
         # No row can be empty: top-left causal always allows key 0.
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal is not None, scale=scale)
     mask = _allowed_mask(causal, attn_mask, lq, lk, q.device)
-    empty = None if mask is None else _empty_rows(mask)
-    has_empty = empty is not None and bool(empty.any())
-    if has_empty:  # let empty rows attend uniformly (finite), then zero them: zero gradients too
+    empty = None
+    if mask is not None:  # empty rows attend uniformly (finite), then read zero: zero gradients
+        # Unconditional (no data-dependent branch) so torch.compile traces it as one graph.
+        empty = _empty_rows(mask)
         mask = mask | empty if mask.dtype == torch.bool else mask.masked_fill(empty, 0.0)
     if dropout_p == 0.0:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
@@ -603,7 +635,7 @@ def _attention_torch(q, k, v, causal, attn_mask, dropout_p, scale):
         keep = torch.rand((q.shape[0], q.shape[1], lq, lk), device=q.device) >= dropout_p
         out = attention_reference(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                   dropout_keep=keep)
-    return out.masked_fill(empty, 0.0) if has_empty else out
+    return out if empty is None else out.masked_fill(empty, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------

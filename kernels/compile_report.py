@@ -1,0 +1,164 @@
+"""Compiles every shipped Triton kernel configuration for NVIDIA GPUs, no GPU needed, and reports
+what the hardware would run: registers per thread, spilled bytes, shared memory, and whether the
+matrix products became tensor-core instructions (mma on sm_80+, wgmma on sm_90).
+
+    python -m fastattn.kernels.compile_report [--arch 80 90 70] [--json PATH] [--jobs N]
+
+Protocol: each module in KERNEL_MODULES defines
+
+    def compile_configs() -> list[dict]
+
+listing every configuration its launchers can pick, one dict per compilation with the keys
+    name        str, unique within the module: kernel, head dim / width, dtype, features
+    fn          the @triton.jit function
+    signature   {argument name: type string as triton.compiler.ASTSource takes it ("*fp16",
+                "i32", "fp32", ...), with "constexpr" for compile-time arguments}, in the
+                kernel's argument order; a type may end in ":16" (as in triton.tools.compile)
+                for arguments the launcher always passes divisible by 16 (16-byte aligned
+                pointers, strides), which Triton's launcher would specialise on too
+    constexprs  {constexpr argument name: value}
+    num_warps   int
+    num_stages  int
+and the report compiles each one for every requested architecture with triton.compile. Triton
+caches compiled kernels (~/.triton/cache), so a second run only re-reads the binaries.
+
+Registers, stack (spill) bytes and shared memory come from the cubin (cuobjdump
+--dump-resource-usage, shipped with Triton); tensor-core use from the PTX (mma.sync / wgmma).
+Triton 3.9 still compiles for sm_70, but without mma: on Volta tl.dot lowers to FMA loops, so
+that column reads "no" there by design.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+
+KERNEL_MODULES = ("fastattn.kernels.attention", "fastattn.kernels.layer_norm",
+                  "fastattn.kernels.cross_entropy")
+DEFAULT_ARCHS = (80, 90, 70)
+
+
+@dataclass
+class CompiledConfig:
+    module: str
+    name: str
+    arch: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    spill_bytes: int  # stack frame: where ptxas puts spilled registers
+    shared_bytes: int
+    mma: bool
+    wgmma: bool
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+
+
+def _resource_usage(cubin: bytes) -> tuple[int, int]:
+    """(registers, stack bytes) of the single kernel in a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], check=True,
+                               capture_output=True, text=True).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    local = int(re.search(r"LOCAL:(\d+)", usage).group(1))
+    return registers, stack + local
+
+
+def compile_config(module: str, config: dict, arch: int) -> CompiledConfig:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # "type:16" marks an argument divisible by 16, as in triton.tools.compile signatures.
+    signature, attrs = {}, {}
+    for index, (name, kind) in enumerate(config["signature"].items()):
+        signature[name], _, hint = kind.partition(":")
+        if hint == "16":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(config["fn"], signature, constexprs=config["constexprs"], attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": config["num_warps"],
+                                     "num_stages": config["num_stages"]})
+    registers, spill_bytes = _resource_usage(kernel.asm["cubin"])
+    ptx = kernel.asm["ptx"]
+    return CompiledConfig(module=module, name=config["name"], arch=arch,
+                          num_warps=config["num_warps"], num_stages=config["num_stages"],
+                          registers=registers, spill_bytes=spill_bytes,
+                          shared_bytes=kernel.metadata.shared,
+                          mma=re.search(r"\bmma\.sync", ptx) is not None,
+                          wgmma=re.search(r"\bwgmma\.", ptx) is not None)
+
+
+def _compile_one(module_name: str, index: int, arch: int) -> CompiledConfig:
+    config = importlib.import_module(module_name).compile_configs()[index]
+    return compile_config(module_name, config, arch)
+
+
+def collect(modules=KERNEL_MODULES, archs=DEFAULT_ARCHS, jobs: int = 1) -> list[CompiledConfig]:
+    """Compiles every configuration of every module that defines compile_configs(), on `jobs`
+    worker processes (ptxas is single-threaded)."""
+    work = []
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        if hasattr(module, "compile_configs"):  # an op without Triton kernels has none
+            work += [(module_name, i, arch) for i in range(len(module.compile_configs()))
+                     for arch in archs]
+    if jobs <= 1:
+        return [_compile_one(*args) for args in work]
+    context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch state
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=context) as pool:
+        return list(pool.map(_compile_one, *zip(*work, strict=True)))
+
+
+def format_table(results: list[CompiledConfig]) -> str:
+    header = ("kernel configuration", "sm", "warps", "stages", "regs", "spill B", "smem B",
+              "mma", "wgmma")
+    rows = [(r.name, str(r.arch), str(r.num_warps), str(r.num_stages), str(r.registers),
+             str(r.spill_bytes), str(r.shared_bytes), "yes" if r.mma else "no",
+             "yes" if r.wgmma else "no") for r in results]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                       for i, (cell, w) in enumerate(zip(row, widths, strict=True)))
+             for row in (header, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, nargs="+", default=list(DEFAULT_ARCHS),
+                        help="compute capabilities to compile for (default: 80 90 70)")
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument("--module", nargs="+", default=list(KERNEL_MODULES),
+                        help="kernel modules to report (default: all)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count(),
+                        help="parallel compilations (default: one per CPU)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("compile_report: unset TRITON_INTERPRET; the interpreter does not compile")
+    results = collect(args.module, args.arch, args.jobs)
+    print(format_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""fastattn.ops.attention against the fp64 reference (kernels/attention.py), on both backends:
+FASTATTN_BACKEND=triton TRITON_INTERPRET=1 runs the Triton kernels, FASTATTN_BACKEND=torch the
+PyTorch path."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import INTERPRETED, assert_graded_close
+from fastattn.kernels.attention import (
+    _attention_forward_op,
+    _dropout_keep_mask,
+    attention_reference,
+)
+
+from fastattn.ops import attention
+
+LOW_PRECISION = [
+    torch.float16,
+    pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        INTERPRETED, reason="Triton's interpreter has no bf16")),
+]
+# (Lq, Lk, D, causal): lengths 1, 17, 33, 65, 129, Lq != Lk both ways under each causal
+# alignment, every head dim the issue names (interpreter time bounds the cross product).
+CASES = [
+    (1, 1, 16, False), (17, 33, 40, False), (65, 65, 80, False), (33, 65, 256, False),
+    (129, 17, 96, False),
+    (17, 33, 40, True), (129, 33, 96, True), (1, 65, 64, True), (65, 129, 32, True),
+    (33, 17, 64, "bottom_right"), (17, 129, 128, "bottom_right"), (65, 1, 40, "bottom_right"),
+    (129, 65, 64, "bottom_right"),
+]
+
+def _inputs(lq, lk, d, dtype, batch=2, heads=3):
+    q = torch.randn(batch, heads, lq, d, dtype=dtype)
+    k = torch.randn(batch, heads, lk, d, dtype=dtype)
+    v = torch.randn(batch, heads, lk, d, dtype=dtype)
+    return q, k, v
+
+
+def _run(fn, q, k, v, grad_out, **kwargs):
+    """fn(q, k, v, **kwargs) and the gradients of <out, grad_out> with respect to q, k, v."""
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fn(q, k, v, **kwargs)
+    return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+
+def _check_against_reference(q, k, v, *, atol, dropout_keep=None, grad_out=None, **kwargs):
+    """Output and all three gradients (grad_output != 1) against the fp64 reference, graded by
+    PyTorch's own error in the inputs' precision (the reference run in that dtype)."""
+    if grad_out is None:
+        grad_out = torch.randn(*q.shape[:3], v.shape[-1], dtype=q.dtype)
+    mask = kwargs.get("attn_mask")
+    to64 = lambda x: None if x is None else x.double() if x.is_floating_point() else x
+    ours = _run(attention, q, k, v, grad_out, **kwargs)
+    exact = _run(attention_reference, *map(to64, (q, k, v)), grad_out.double(),
+                 **kwargs | dict(attn_mask=to64(mask)), dropout_keep=dropout_keep)
+    torch_own = _run(attention_reference, q, k, v, grad_out, **kwargs, dropout_keep=dropout_keep)
+    for name, a, r, b in zip(("out", "dq", "dk", "dv"), ours, exact, torch_own, strict=True):
+        assert_graded_close(a, r, b, atol=atol, name=name)
+    return ours
+
+
+@pytest.mark.parametrize("lq,lk,d,causal", CASES)
+def test_fp32_matches_reference(seeded, lq, lk, d, causal):
+    q, k, v = _inputs(lq, lk, d, torch.float32)
+    _check_against_reference(q, k, v, causal=causal, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lq,lk,d", [(17, 33, 40), (65, 65, 64), (33, 129, 128), (65, 17, 96)])
+def test_low_precision_within_pytorch_error(seeded, lq, lk, d, causal, dtype):
+    q, k, v = _inputs(lq, lk, d, dtype)
+    _check_against_reference(q, k, v, causal=causal, atol=1e-3)
+
+
+def test_custom_scale(seeded):
+    q, k, v = _inputs(33, 17, 64, torch.float32)
+    _check_against_reference(q, k, v, scale=0.3, atol=2e-5)
+
+
+def test_noncontiguous_inputs(seeded):
+    """Views of (B, L, H, D) projections, as the attention module passes them."""
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in _inputs(17, 33, 40,
+                                                                              torch.float32))
+    assert not q.is_contiguous()
+    _check_against_reference(q, k, v, causal=True, atol=2e-5)
+
+
+def _masks(batch, heads, lq, lk):
+    torch.manual_seed(7)
+    key_padding = torch.arange(lk).expand(batch, lk) < torch.tensor([lk, lk // 2])[:, None]
+    float_mask = torch.randn(1, heads, lq, lk).masked_fill(torch.rand(1, heads, lq, lk) < 0.3,
+                                                           float("-inf"))
+    return {
+        "bool_full": torch.rand(batch, heads, lq, lk) > 0.3,
+        "bool_broadcast": torch.rand(lq, lk) > 0.5,
+        "key_padding": key_padding[:, None, None, :],
+        "float": float_mask,
+        "float_broadcast_heads": torch.randn(batch, 1, lq, lk),
+    }
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+@pytest.mark.parametrize(
+    "mask_name", ["bool_full", "bool_broadcast", "key_padding", "float", "float_broadcast_heads"])
+@pytest.mark.parametrize("lq,lk,d", [(17, 33, 40), (33, 17, 16)])
+def test_masks(seeded, lq, lk, d, mask_name, causal):
+    q, k, v = _inputs(lq, lk, d, torch.float32)
+    mask = _masks(2, 3, lq, lk)[mask_name]
+    _check_against_reference(q, k, v, attn_mask=mask, causal=causal, atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_float_mask_low_precision(seeded, dtype):
+    q, k, v = _inputs(33, 65, 64, dtype)
+    mask = _masks(2, 3, 33, 65)["float"].to(dtype)
+    _check_against_reference(q, k, v, attn_mask=mask, causal=True, atol=1e-3)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+def test_fully_masked_rows_give_zeros_and_zero_gradients(seeded, mask_dtype):
+    q, k, v = _inputs(9, 12, 32, torch.float32)
+    allowed = torch.rand(2, 3, 9, 12) > 0.4
+    allowed[0, 1, 4] = False  # one row of one head
+    allowed[1, :, 7] = False  # one row of every head
+    allowed[:, :, :, 0] = True
+    allowed[0, 1, 4, 0] = allowed[1, :, 7, 0] = False
+    mask = allowed if mask_dtype == torch.bool else torch.zeros(allowed.shape).masked_fill(
+        ~allowed, float("-inf"))
+    out, dq, dk, dv = _check_against_reference(q, k, v, attn_mask=mask, atol=2e-5)
+    for empty in (out[0, 1, 4], out[1, :, 7], dq[0, 1, 4], dq[1, :, 7]):
+        assert torch.equal(empty, torch.zeros_like(empty))
+    assert out.abs().sum() > 0
+
+
+def test_bottom_right_rows_before_the_prefix_are_empty(seeded):
+    """Lq > Lk with bottom-right alignment: the first Lq - Lk queries see no key."""
+    q, k, v = _inputs(20, 7, 16, torch.float32)
+    out, dq, _, _ = _check_against_reference(q, k, v, causal="bottom_right", atol=2e-5)
+    assert torch.equal(out[:, :, :13], torch.zeros_like(out[:, :, :13]))
+    assert torch.equal(dq[:, :, :13], torch.zeros_like(dq[:, :, :13]))
+    assert out[:, :, 13:].abs().min() > 0
+
+
+def test_causal_true_is_top_left_like_pytorch(seeded):
+    q, k, v = _inputs(17, 33, 16, torch.float32)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(attention(q, k, v, causal=True), expected, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(attention(q, k, v, causal="top_left"), expected, atol=2e-6,
+                               rtol=1e-5)
+
+
+def test_backward_is_deterministic(seeded):
+    q, k, v = _inputs(65, 33, 40, torch.float32)
+    grad_out = torch.randn_like(q)
+    first = _run(attention, q, k, v, grad_out, causal=True)
+    second = _run(attention, q, k, v, grad_out, causal=True)
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("causal,mask", [(False, None), ("bottom_right", "key_padding")])
+@pytest.mark.parametrize("lq,lk,d", [(17, 33, 40), (33, 17, 64)])
+def test_dropout_forward_and_backward_use_one_mask(lq, lk, d, causal, mask):
+    """The keep-mask the call draws, recovered from the same RNG state, explains the output and
+    every gradient: forward and backward agree on it."""
+    p = 0.3
+    q, k, v = _inputs(lq, lk, d, torch.float32)
+    attn_mask = None if mask is None else _masks(2, 3, lq, lk)[mask]
+    grad_out = torch.randn_like(q)
+    torch.manual_seed(99)
+    keep = _dropout_keep_mask(q, k, p)
+    torch.manual_seed(99)
+    _check_against_reference(q, k, v, causal=causal, attn_mask=attn_mask, dropout_p=p,
+                             dropout_keep=keep, grad_out=grad_out, atol=2e-5)
+
+
+def test_dropout_keep_rate_and_fresh_mask_per_call(seeded):
+    p = 0.25
+    q, k, _ = _inputs(64, 64, 16, torch.float32, batch=1, heads=2)
+    first, second = _dropout_keep_mask(q, k, p), _dropout_keep_mask(q, k, p)
+    n = first.numel()
+    sigma = (p * (1 - p) / n) ** 0.5
+    assert abs(first.float().mean().item() - (1 - p)) < 4 * sigma
+    assert (first != second).float().mean() > 0.2  # independent masks differ in ~2p(1-p) = 37%
+    # The op itself: two calls from different RNG states give different outputs, and the
+    # dropout scale 1 / (1 - p) keeps the mean output unbiased (v = 1 gives rows summing to 1).
+    v = torch.ones(1, 2, 64, 16)
+    out1 = attention(q, k, v, dropout_p=p)
+    out2 = attention(q, k, v, dropout_p=p)
+    assert not torch.equal(out1, out2)
+    assert abs(out1.mean().item() - 1.0) < 0.05
+
+
+def test_dropout_is_reproducible_from_the_seed():
+    q, k, v = _inputs(17, 33, 16, torch.float32)
+    torch.manual_seed(5)
+    first = attention(q, k, v, dropout_p=0.5)
+    torch.manual_seed(5)
+    assert torch.equal(attention(q, k, v, dropout_p=0.5), first)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="dynamo cannot trace fastattn.backend.interpreter_active "
+                    "(it reads triton.knobs); the registered op is compiled in the next test")
+def test_torch_compile_fullgraph(seeded):
+    """A function calling the op traces as one graph, forward and backward (aot_eager: no code
+    generation, so this stays cheap on CPU)."""
+
+    def block(q, k, v, mask):
+        return attention(q, k, v, attn_mask=mask, causal=True).square().sum()
+
+    q, k, v = _inputs(17, 33, 40, torch.float32)
+    mask = _masks(2, 3, 17, 33)["key_padding"]
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    expected = _run(lambda q, k, v: block(q, k, v, mask), q, k, v, torch.tensor(1.0))
+    got = _run(lambda q, k, v: compiled(q, k, v, mask), q, k, v, torch.tensor(1.0))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the Triton op runs on CPU tensors only under "
+                    "FASTATTN_BACKEND=triton TRITON_INTERPRET=1")
+def test_registered_op_fake_and_autograd(seeded):
+    """torch.library's own checks of the registration (schema, fake tensors, autograd), and a
+    fullgraph compile of a function calling the op, with dropout drawn inside the graph."""
+    q, k, v = (x.requires_grad_() for x in _inputs(17, 33, 40, torch.float32))
+    mask = _masks(2, 3, 17, 33)["float"]
+    torch.library.opcheck(_attention_forward_op, (q, k, v, mask, None, "bottom_right", 0.0, 0.2))
+
+    def block(q, k, v):
+        rng = torch.randint(0, 2**62, (2,), dtype=torch.int64)
+        out, _ = _attention_forward_op(q, k, v, mask, rng, "top_left", 0.1, 0.2)
+        return out.square().sum()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(3)
+    expected = _run(block, q, k, v, torch.tensor(1.0))
+    torch.manual_seed(3)
+    got = _run(compiled, q, k, v, torch.tensor(1.0))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("args,kwargs,message", [
+    ((torch.ones(2, 3, 4), torch.ones(2, 3, 4), torch.ones(2, 3, 4)), {}, "must be 4-D"),
+    ((torch.ones(1, 1, 3, 8), torch.ones(1, 1, 4, 16), torch.ones(1, 1, 4, 16)), {},
+     r"must be \(B, H, Lq, D\)"),
+    ((torch.ones(1, 1, 3, 8), torch.ones(1, 1, 4, 8), torch.ones(1, 1, 4, 8, dtype=torch.half)),
+     {}, "share one floating dtype"),
+    ((torch.ones(1, 1, 3, 8),) * 3, {"causal": "left"}, "causal must be"),
+    ((torch.ones(1, 1, 3, 8),) * 3, {"dropout_p": 1.0}, r"dropout_p must be in \[0, 1\)"),
+    ((torch.ones(1, 1, 3, 8),) * 3, {"attn_mask": torch.ones(2, 3, dtype=torch.bool)},
+     "does not broadcast"),
+    ((torch.ones(1, 1, 3, 8),) * 3, {"attn_mask": torch.ones(3, 3, dtype=torch.int64)},
+     "must be bool or floating"),
+    ((torch.ones(1, 1, 0, 8),) * 3, {}, "must be >= 1"),
+])
+def test_bad_input_is_named(args, kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        attention(*args, **kwargs)
+
+
+def test_triton_backend_on_cpu_without_interpreter_raises():
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["FASTATTN_BACKEND"] = "triton"
+    code = ("import torch, fastattn\n"
+            "x = torch.ones(1, 1, 2, 16)\n"
+            "fastattn.ops.attention(x, x, x)\n")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode != 0
+    assert "RuntimeError" in result.stderr and "TRITON_INTERPRET=1" in result.stderr

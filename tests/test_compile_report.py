@@ -1,0 +1,69 @@
+"""fastattn.kernels.compile_report: every shipped kernel configuration compiles for sm_80 and
+sm_90 (Triton's bundled ptxas, no GPU needed), and attention's configurations for head dims up to
+128 spill no registers. The first run compiles everything (minutes on 2 cores); Triton's cache
+(~/.triton/cache) makes later runs fast."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from fastattn.kernels import attention
+from fastattn.kernels.compile_report import KERNEL_MODULES, CompiledConfig, _cuobjdump, format_table
+
+ARCHS = (80, 90)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> list[dict]:
+    if not os.path.exists(_cuobjdump()):
+        pytest.skip("Triton's bundled NVIDIA tools (ptxas, cuobjdump) are not installed")
+    path = tmp_path_factory.mktemp("compile_report") / "report.json"
+    # The interpreter does not compile: run the report in a process without it.
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-m", "fastattn.kernels.compile_report", "--arch",
+                    *map(str, ARCHS), "--json", str(path)], env=env, check=True, timeout=3600,
+                   capture_output=True)
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_every_shipped_config_compiles_for_sm80_and_sm90(report):
+    shipped = {(name, config["name"], arch) for name in KERNEL_MODULES
+               if hasattr(module := importlib.import_module(name), "compile_configs")
+               for config in module.compile_configs() for arch in ARCHS}
+    assert {(r["module"], r["name"], r["arch"]) for r in report} == shipped
+    assert all(r["registers"] > 0 for r in report)
+
+
+@pytest.mark.slow
+def test_attention_up_to_head_dim_128_spills_nothing(report):
+    head_dim = {c["name"]: c["constexprs"]["HEAD_DIM"] for c in attention.compile_configs()}
+    spilled = [(r["name"], r["arch"], r["spill_bytes"]) for r in report
+               if r["module"] == attention.__name__ and head_dim[r["name"]] <= 128
+               and r["spill_bytes"] > 0]
+    assert not spilled, f"configurations that spill: {spilled}"
+
+
+@pytest.mark.slow
+def test_attention_matmuls_use_tensor_cores_in_16_bit(report):
+    """fp16 tiles become mma.sync on sm_80 and mma or wgmma on sm_90 (fp32 runs the exact
+    IEEE product on FMA units unless torch allows tf32)."""
+    for r in report:
+        if r["module"] == attention.__name__ and " fp16 " in r["name"] + " " \
+                and "delta" not in r["name"]:
+            assert r["mma"] or r["wgmma"], r["name"]
+
+
+def test_table_lists_every_column():
+    row = CompiledConfig(module="m", name="_k d=64 fp16", arch=80, num_warps=4, num_stages=3,
+                         registers=128, spill_bytes=0, shared_bytes=32768, mma=True,
+                         wgmma=False)
+    header, rule, line = format_table([row]).splitlines()
+    assert header.split() == ["kernel", "configuration", "sm", "warps", "stages", "regs",
+                              "spill", "B", "smem", "B", "mma", "wgmma"]
+    assert set(rule) <= {"-", " "}
+    assert line.split() == ["_k", "d=64", "fp16", "80", "4", "3", "128", "0", "32768", "yes",
+                            "no"]
