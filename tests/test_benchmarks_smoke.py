@@ -181,3 +181,26 @@ def test_report_renders_made_up_results(tmp_path):
     for gpu in ("P100", "V100", "A100", "H100"):
         assert f"| {gpu}" in text[projected:]
     assert "| attention | sm_90 | 1 | 128 | 0 | 32.0 KiB | 1/1 |" in text
+
+
+def test_peak_memory_is_the_high_water_mark_of_allocations_forward_and_backward():
+    code = """
+import torch
+from benchmarks.common import DEVICE, peak_memory
+
+mib = 2**20
+def allocate():
+    a = torch.empty(mib, dtype=torch.uint8, device=DEVICE)
+    b = torch.empty(3 * mib, dtype=torch.uint8, device=DEVICE)
+    del a
+    c = torch.empty(mib, dtype=torch.uint8, device=DEVICE)  # reuses a's level: peak stays 4 MiB
+    return b, c
+
+x = torch.ones(mib // 4, device=DEVICE, requires_grad=True)  # 1 MiB of fp32, allocated before
+print(peak_memory(allocate), peak_memory(lambda: torch.autograd.grad((x * 3).sum(), x)))
+"""
+    out = run("-c", code)
+    assert out.returncode == 0, out.stderr
+    allocated, backward = map(int, out.stdout.split()[-2:])
+    assert 4 * 2**20 <= allocated <= 4 * 2**20 + 4096
+    assert 2**20 <= backward <= 2 * 2**20 + 4096  # x * 3 and the gradient, never x itself
