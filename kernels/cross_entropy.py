@@ -278,21 +278,29 @@ def label_smoothed_cross_entropy(
 
 
 def _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index):
-    """Per-row fp32 (loss, nll) of a logits chunk and d(sum_r row_weight_r loss_r) / dlogits in
-    the chunk's dtype: fp32 math, one rounding at the end."""
-    logp = torch.log_softmax(logits, -1, dtype=torch.float32)  # one fused pass
+    """Per-row fp32 (loss, nll) of a logits chunk and d(sum_r row_weight_r loss_r) / dlogits.
+
+    The softmax runs in the chunk's dtype, as F.cross_entropy's does (fp32 accumulation inside);
+    the true-class entry, where p_t - 1 cancels, is formed in fp32 as expm1(log p_t)."""
+    vocab, dtype = logits.shape[1], logits.dtype
+    logp = torch.log_softmax(logits, -1)
     valid = target != ignore_index
     safe_target = target.masked_fill(~valid, 0)[:, None]
-    nll = -logp.gather(1, safe_target)[:, 0].masked_fill(~valid, 0)
+    logp_t = logp.gather(1, safe_target)[:, 0].float()
+    nll = (-logp_t).masked_fill(~valid, 0)
     loss = nll
     if smoothing:
-        loss = (1 - smoothing) * nll - smoothing * logp.mean(-1).masked_fill(~valid, 0)
-    w = row_weight.float().masked_fill(~valid, 0)[:, None]
-    grad = logp.exp_().mul_(w)
+        half = dtype == torch.float16  # summing V log-probabilities overflows fp16
+        total = logp.sum(-1, dtype=torch.float32) if half else logp.sum(-1).float()
+        loss = (1 - smoothing) * nll - smoothing * (total / vocab).masked_fill(~valid, 0)
+    w = row_weight.float().masked_fill(~valid, 0)
+    grad = logp.exp_().mul_(w[:, None].to(dtype))
     if smoothing:
-        grad.sub_(w * (smoothing / logits.shape[1]))
-    grad.scatter_add_(1, safe_target, w * -(1 - smoothing))
-    return loss, nll, grad.to(logits.dtype)
+        grad.sub_((w * (smoothing / vocab))[:, None].to(dtype))
+    true_class = w * (torch.expm1(logp_t) + smoothing * (1 - 1 / vocab))
+    rows = torch.arange(len(target), device=target.device)
+    grad[rows, safe_target[:, 0]] = true_class.to(dtype)  # index_put_: scatter_ is slow on CPU
+    return loss, nll, grad
 
 
 def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index):
