@@ -15,7 +15,8 @@ The forward kernel streams each row once in BLOCK_V chunks with an online logsum
 copy of the softmax exists; it saves only lse (fp32, one per row). The backward kernel rereads
 the logits and writes the gradient into a new buffer of the logits' dtype (the caller's logits
 are never overwritten); the true-class term is formed in fp32 before that single rounding.
-Traffic: read N*V forward, read + write N*V backward.
+Traffic: read N*V forward, read + write N*V backward. On the PyTorch backend the same math runs
+on native kernels: one F.cross_entropy, or one log_softmax when the nll is asked for too.
 
 linear_cross_entropy(hidden, weight, target) is cross-entropy of hidden @ weight.T + bias
 computed over row chunks of CHUNK_ELEMENTS logits, so the (N, V) logits never exist in full:
