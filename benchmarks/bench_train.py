@@ -30,7 +30,14 @@ from benchmarks.common import (
     low_precision,
     measure,
 )
-from benchmarks.step_cost import SENTENCES, SRC_LEN, TGT_LEN, model_flop, preset_shape
+from benchmarks.step_cost import (
+    PAPER_STEP_SECONDS,
+    SENTENCES,
+    SRC_LEN,
+    TGT_LEN,
+    model_flop,
+    preset_shape,
+)
 from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
 
 if QUICK:
@@ -39,7 +46,6 @@ elif DEVICE.type == "cuda":
     PRESET_NAMES, BATCH = ["multi30k", "base", "big"], (SENTENCES, SRC_LEN, TGT_LEN)
 else:
     PRESET_NAMES, BATCH = ["multi30k", "base"], (SENTENCES, SRC_LEN, TGT_LEN)
-GPU_TARGETS = {"base": 0.4, "big": 1.0}  # seconds per step on 8 P100 (the paper, section 5.2)
 
 
 class TorchTransformer(nn.Module):
@@ -122,8 +128,8 @@ def test_training_step(benchmark, preset, precision, impl):
     tokens = sentences * (src_len + tgt_len)
     flop = model_flop(preset_shape(preset, sentences, src_len, tgt_len))
     info = {"preset": preset, "precision": f"{precision} ({dtype_name(dtype)})", "tokens": tokens}
-    if impl == "fastattn" and preset in GPU_TARGETS:
-        info["gpu_target_s"] = GPU_TARGETS[preset]
+    if impl == "fastattn" and preset in PAPER_STEP_SECONDS:
+        info["gpu_target_s"] = PAPER_STEP_SECONDS[preset]
     measure(
         benchmark,
         training_step(model, batch, precision),

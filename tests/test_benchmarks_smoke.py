@@ -73,6 +73,7 @@ def test_report_renders_made_up_results(tmp_path):
                 "triton": "9.8",
                 "fastattn": "0.1.0",
                 "python": "3.11",
+                "device_type": "cpu",
                 "peak_float32_basis": "made up",
             }
         },
@@ -166,13 +167,16 @@ def test_report_renders_made_up_results(tmp_path):
     text = (tmp_path / "BENCHMARKS.md").read_text()
 
     assert "Test CPU (2 cores)" in text and "torch 9.9" in text and "10.0 min" in text
+    assert "GPU step times are quoted, not measured" in text
     attention = next(line for line in text.splitlines() if "| fwd float32 L=64 | fastattn" in line)
     assert "| 1 ms |" in attention and "±10.0%" in attention and "2.00×" in attention
     assert "2.5 TFLOP/s" in attention and "3.0 MiB" in attention
     growth = next(line for line in text.splitlines() if line.startswith("| growth"))
     assert growth.split("|")[2:4] == [" 1.00 ", " 2.00 "], growth
     target = next(line for line in text.splitlines() if line.startswith("| base | fp32"))
-    assert "8 s" in target and "40.0%" in target and "not measured here" in target
+    assert "8 s" in target and "40.0%" in target and "| 0.4 s |" in target
+    big = next(line for line in text.splitlines() if line.startswith("| big |"))
+    assert "not run on this device" in big and "| 1.0 s |" in big
     assert "sentences_per_s" in text and "128" in text
     assert "1.25×" in next(line for line in text.splitlines() if "781" in line)
 
