@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
 
@@ -145,6 +146,19 @@ def test_decoding_one_row_per_sentence_then_beams(lengths):
     logprobs = model.decode_step(prefixes[:, -1], state)
     expected = reference_logprobs(model, src[torch.tensor([1, 0, 1, 0])], prefixes)
     torch.testing.assert_close(logprobs, expected, **TOL)
+
+
+def test_decode_step_does_not_rerun_the_prefix():
+    """The matrix products of a step (projections, feed-forward, output) do not grow with the
+    length: earlier positions come from the cache. (Attention itself reads O(length) keys.)"""
+    model = make_model()
+    state = model.start_decoding(tokens(2, 5))
+    flops = []
+    for _ in range(6):
+        with FlopCounterMode(display=False) as counter:
+            model.decode_step(torch.ones(2, dtype=torch.long), state)
+        flops.append(counter.get_total_flops())
+    assert flops[0] > 0 and flops[-1] == flops[0]
 
 
 def test_decoding_errors_are_clear():
