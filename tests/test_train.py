@@ -42,7 +42,7 @@ def random_batch(rows, src_len, tgt_len, seed):
 
 
 def update(model, batches, **kwargs):
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98), eps=1e-9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the update is the gradient
     result = train_step(LossModule(model), optimizer, batches, **kwargs)
     return result, [p.detach().clone() for p in model.parameters()]
 
