@@ -3,6 +3,31 @@
 from fastattn import ops
 from fastattn._native import native
 from fastattn.backend import get_backend, set_backend
+from fastattn.model import PRESETS, Transformer, TransformerConfig
+from fastattn.modules import (
+    LabelSmoothedCrossEntropy,
+    MultiHeadAttention,
+    ResidualLayerNorm,
+    replace_multihead_attention,
+)
+from fastattn.search import Hypothesis, beam_search, greedy_search
+from fastattn.translate import Translator
 
 __version__ = "0.1.0"
-__all__ = ["get_backend", "native", "ops", "set_backend"]
+__all__ = [
+    "PRESETS",
+    "Hypothesis",
+    "LabelSmoothedCrossEntropy",
+    "MultiHeadAttention",
+    "ResidualLayerNorm",
+    "Transformer",
+    "TransformerConfig",
+    "Translator",
+    "beam_search",
+    "get_backend",
+    "greedy_search",
+    "native",
+    "ops",
+    "replace_multihead_attention",
+    "set_backend",
+]
