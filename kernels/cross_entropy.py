@@ -41,6 +41,12 @@ MAX_BLOCK_V = 4096  # vocabulary chunk one program holds in registers
 CHUNK_ELEMENTS = 2**24  # logits per linear_cross_entropy chunk: 64 MB in fp32
 
 
+def _use_kernel(x: torch.Tensor) -> bool:
+    """Whether to run the Triton kernels, which compute in fp32: float64, the reference
+    precision, always runs on PyTorch."""
+    return x.dtype != torch.float64 and use_triton(x)
+
+
 @triton.jit
 def _cross_entropy_fwd_kernel(
     Logits, Target, Loss, Nll, Lse,
@@ -178,17 +184,18 @@ torch.library.register_autograd(
 
 
 def _cross_entropy_rows_torch(logits, target, smoothing, ignore_index, need_nll=True):
-    """Per-row (loss, nll or None) in fp32 with PyTorch's native kernels and autograd: one
-    F.cross_entropy when it suffices, else one log_softmax shared by both terms."""
+    """Per-row (loss, nll or None) in fp32 (fp64 for fp64) with PyTorch's native kernels and
+    autograd: one F.cross_entropy when it suffices, else one log_softmax for both terms."""
+    acc = torch.promote_types(logits.dtype, torch.float32)
     half = logits.dtype == torch.float16  # summing V log-probabilities overflows fp16
     if smoothing == 0 or not (need_nll or half):
         loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="none",
-                               label_smoothing=smoothing).float()
+                               label_smoothing=smoothing).to(acc)
         return loss, loss if smoothing == 0 else None
     valid = target != ignore_index
     logp = logits.log_softmax(-1)
-    nll = -logp.gather(1, target.masked_fill(~valid, 0)[:, None])[:, 0].float()
-    total = logp.sum(-1, dtype=torch.float32) if half else logp.sum(-1).float()
+    nll = -logp.gather(1, target.masked_fill(~valid, 0)[:, None])[:, 0].to(acc)
+    total = logp.sum(-1, dtype=acc) if half else logp.sum(-1).to(acc)
     loss = (1 - smoothing) * nll - smoothing * total / logits.shape[1]
     return loss.masked_fill(~valid, 0), nll.masked_fill(~valid, 0)
 
@@ -261,12 +268,13 @@ def label_smoothed_cross_entropy(
 
     The loss has the logits' dtype, as F.cross_entropy's; "mean" over only ignored targets is 0,
     not NaN. With return_nll=True returns (loss, nll): nll is the unsmoothed negative
-    log-likelihood reduced the same way (exp of its mean is the perplexity), fp32, without
-    gradient, from the same pass over the logits.
+    log-likelihood reduced the same way (exp of its mean is the perplexity), in fp32 (fp64 for
+    fp64 logits), without gradient, from the same pass over the logits. float64 always runs on
+    PyTorch, at float64 precision.
     """
     _check("logits", logits, target, smoothing, reduction)
     _check_targets(target, logits.shape[1], ignore_index)
-    if logits.numel() and use_triton(logits):
+    if logits.numel() and _use_kernel(logits):
         loss, nll, _ = _cross_entropy_fwd(
             logits.contiguous(), target.contiguous(), float(smoothing), ignore_index
         )
@@ -307,7 +315,7 @@ def _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_inde
 def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index):
     """(loss, nll, gradient) of a logits chunk; the Triton kernels write the gradient over the
     chunk, which is linear_cross_entropy's own buffer."""
-    if use_triton(logits):
+    if _use_kernel(logits):
         loss, nll, lse = _cross_entropy_fwd_triton(logits, target, smoothing, ignore_index)
         _cross_entropy_bwd_triton(logits, target, lse, row_weight, smoothing, ignore_index, logits)
         return loss, nll, logits
@@ -315,7 +323,7 @@ def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index):
 
 
 def _cross_entropy_loss(logits, target, smoothing, ignore_index):
-    if use_triton(logits):
+    if _use_kernel(logits):
         return _cross_entropy_fwd_triton(logits, target, smoothing, ignore_index)[:2]
     return _cross_entropy_rows_torch(logits, target, smoothing, ignore_index)
 
@@ -485,6 +493,10 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
+    if hidden.dtype == torch.float64:  # the reference precision: plain PyTorch, logits in full
+        return label_smoothed_cross_entropy(
+            F.linear(hidden, weight, bias), target, smoothing, ignore_index, reduction, return_nll
+        )
     params = (hidden, weight) if bias is None else (hidden, weight, bias)
     compute_grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
     loss, nll, *_ = _linear_cross_entropy_fwd(

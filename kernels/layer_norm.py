@@ -34,6 +34,12 @@ from fastattn.backend import use_triton
 MAX_FEATURES = 16384  # one row lives in registers; wider rows would spill
 
 
+def _use_kernel(x: torch.Tensor) -> bool:
+    """Whether to run the Triton kernels, which compute in fp32: float64, the reference
+    precision, always runs on PyTorch."""
+    return x.dtype != torch.float64 and use_triton(x)
+
+
 @triton.jit
 def _keep_mask(seed, row, cols, dropout_p):
     """Dropout keep mask of elements (row, cols): uniform(Philox(seed; cols, row)) >= p."""
@@ -416,7 +422,7 @@ def layer_norm_residual(
             raise ValueError(f"{name} must have shape ({N},), got {tuple(p.shape)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if x.numel() == 0 or not use_triton(x):
+    if x.numel() == 0 or not _use_kernel(x):
         keep = torch.rand(x.shape, device=x.device) >= dropout_p if dropout_p > 0 else None
         y, s = layer_norm_residual_reference(x, residual, weight, bias, eps, keep, dropout_p)
         return (y, s) if return_residual else y

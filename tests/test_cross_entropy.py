@@ -317,3 +317,14 @@ def test_strided_logits():
     exact, _ = cross_entropy_reference(logits, target, 0.1)
     loss = label_smoothed_cross_entropy(logits.float(), target, 0.1)
     torch.testing.assert_close(loss.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_float64_at_float64_precision():
+    logits, target = torch.randn(N, 300, dtype=torch.float64) * 3, _target(N, 300)
+    loss, nll = label_smoothed_cross_entropy(logits, target, 0.1, return_nll=True)
+    exact, exact_nll = cross_entropy_reference(logits, target, 0.1)
+    torch.testing.assert_close(loss, exact)
+    torch.testing.assert_close(nll, exact_nll)
+    hidden, weight = torch.randn(N, 16, dtype=torch.float64), torch.randn(300, 16).double()
+    exact, _ = cross_entropy_reference(F.linear(hidden, weight), target, 0.1)
+    torch.testing.assert_close(linear_cross_entropy(hidden, weight, target, smoothing=0.1), exact)

@@ -208,3 +208,11 @@ def test_strided_and_transposed_inputs():
     exact, _ = layer_norm_residual_reference(x, r, w, None)
     y = layer_norm_residual(x.float(), r.float(), w.float(), None)
     torch.testing.assert_close(y.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+def test_float64_at_float64_precision():
+    masters, _ = _inputs(1000, torch.float64)
+    y, s = layer_norm_residual(*masters, return_residual=True)
+    exact, exact_sum = layer_norm_residual_reference(*masters)
+    torch.testing.assert_close(y, exact)
+    torch.testing.assert_close(s, exact_sum)
