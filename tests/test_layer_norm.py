@@ -216,3 +216,18 @@ def test_float64_at_float64_precision():
     exact, exact_sum = layer_norm_residual_reference(*masters)
     torch.testing.assert_close(y, exact)
     torch.testing.assert_close(s, exact_sum)
+
+
+@pytest.mark.skipif(
+    use_triton(torch.empty(0)),
+    reason="dynamo cannot trace fastattn.backend.interpreter_active (it reads triton.knobs), so "
+    "only the CPU torch path and CUDA tensors compile",
+)
+def test_compiles_with_fullgraph():
+    x, r = torch.randn(4, 64, requires_grad=True), torch.randn(4, 64, requires_grad=True)
+    w, b = torch.randn(64, requires_grad=True), torch.randn(64, requires_grad=True)
+    fn = lambda x, r, w, b: layer_norm_residual(x, r, w, b, return_residual=True)
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x, r, w, b)
+    want = fn(x, r, w, b)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e)
