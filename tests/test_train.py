@@ -2,6 +2,7 @@
 exact resume after SIGKILL."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,9 +27,10 @@ def test_learning_rate_schedule():
                                                                                          warmup))
 
 
-def tiny_model(dtype=torch.float64, seed=0):
+def tiny_model(dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    config = replace(PRESETS["tiny"], vocab_size=50, dropout=0.0, label_smoothing=0.1)
+    config = replace(PRESETS["tiny"], vocab_size=50, encoder_layers=1, decoder_layers=1,
+                     d_model=16, d_ff=32, heads=2, dropout=0.0, label_smoothing=0.1)
     return Transformer(config).to(dtype)
 
 
@@ -48,9 +50,9 @@ def update(model, batches, **kwargs):
 
 
 def test_accumulated_micro_batches_equal_one_batch():
-    src, tgt = random_batch(9, 7, 9, seed=1)
-    whole = data.collate(src, tgt, range(9))
-    parts = [data.collate(src, tgt, range(4)), data.collate(src, tgt, range(4, 9))]
+    src, tgt = random_batch(7, 6, 8, seed=1)
+    whole = data.collate(src, tgt, range(7))
+    parts = [data.collate(src, tgt, range(3)), data.collate(src, tgt, range(3, 7))]
     one, after_one = update(tiny_model(), [whole])
     two, after_two = update(tiny_model(), parts)
     assert one.ok and two.ok and one.tokens == two.tokens == sum(len(t) + 1 for t in tgt)
@@ -95,7 +97,7 @@ def test_clipping_bounds_the_update():
                         clip_norm=0.01)
     moved = torch.nn.utils.parameters_to_vector(model.parameters()).detach() - before
     assert result.grad_norm > 0.01  # the norm before clipping is reported
-    assert float(moved.norm()) == pytest.approx(0.01, rel=1e-6)
+    assert float(moved.norm()) == pytest.approx(0.01, rel=1e-4)
 
 
 @pytest.mark.parametrize(
@@ -127,6 +129,11 @@ def test_help_shows_defaults_and_paper_values(capsys):
 
 
 # --- the command line, in subprocesses ---------------------------------------------------------
+
+# These runs test the training loop, resume and error handling, not the ops (tests/test_ops*
+# cover those under both backends): they always use the PyTorch ops, since Triton's interpreter
+# would make a few dozen training updates take many minutes.
+TORCH_OPS = {**os.environ, "FASTATTN_BACKEND": "torch"}
 
 
 def corpus(tmp_path, lines=120):
@@ -163,14 +170,15 @@ def test_sigkill_and_resume_continue_exactly(tmp_path):
     updates, kill_after = 24, 8
     reference = subprocess.run(
         train_command(paths, tmp_path / "ref", "--max-updates", updates, "--save-every", 4),
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=TORCH_OPS)
     assert reference.returncode == 0, reference.stderr
     expected = losses(tmp_path / "ref" / "metrics.jsonl")
     assert sorted(expected) == list(range(1, updates + 1))
 
     run_dir = tmp_path / "run"
     command = train_command(paths, run_dir, "--max-updates", updates, "--save-every", 4)
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               env=TORCH_OPS)
     deadline = time.time() + 600
     while not (run_dir / f"checkpoint_{kill_after:08d}.pt").exists():
         assert process.poll() is None, "the run ended before it could be killed"
@@ -184,7 +192,7 @@ def test_sigkill_and_resume_continue_exactly(tmp_path):
 
     resumed = subprocess.run(
         [*command, "--resume", "--metrics", tmp_path / "resumed.jsonl"],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, env=TORCH_OPS)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and f"at update {start}" in resumed.stdout
     after = losses(tmp_path / "resumed.jsonl")
@@ -199,7 +207,7 @@ def test_sigkill_and_resume_continue_exactly(tmp_path):
 
 def run_cli(*argv):
     return subprocess.run([sys.executable, "-m", "fastattn.train", *map(str, argv)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=TORCH_OPS)
 
 
 def assert_one_line_error(result, *fragments):
@@ -236,5 +244,5 @@ def test_corrupt_checkpoint_on_resume_is_one_clear_line(tmp_path):
     save_dir.mkdir()
     (save_dir / "checkpoint_00000004.pt").write_bytes(b"fastattn-checkpoint 00 99\nshort")
     result = subprocess.run(train_command(paths, save_dir, "--resume"), capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=300, env=TORCH_OPS)
     assert_one_line_error(result, "checkpoint_00000004.pt", "truncated or corrupt")
