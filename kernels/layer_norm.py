@@ -423,8 +423,8 @@ def layer_norm_residual(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if x.numel() == 0 or not _use_kernel(x):
-        keep = torch.rand(x.shape, device=x.device) >= dropout_p if dropout_p > 0 else None
-        y, s = layer_norm_residual_reference(x, residual, weight, bias, eps, keep, dropout_p)
+        h = F.dropout(x, dropout_p) if dropout_p > 0 else x
+        y, s = layer_norm_residual_reference(h, residual, weight, bias, eps)
         return (y, s) if return_residual else y
     if N > MAX_FEATURES:
         raise ValueError(
