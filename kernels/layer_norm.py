@@ -412,7 +412,9 @@ def layer_norm_residual(
     applied to x with probability `dropout_p`: pass 0.0 outside training. With
     `return_residual=True` returns (y, residual + dropout(x)), the stream a pre-norm stack
     carries on. The output dtype is the promotion of x's and residual's dtypes. The Triton
-    kernel handles N <= MAX_FEATURES; wider rows raise ValueError there.
+    kernel handles N <= MAX_FEATURES; wider rows raise ValueError there. The PyTorch path (CPU,
+    FASTATTN_BACKEND=torch, float64) is F.dropout, an add and F.layer_norm, with no row limit.
+    Both draw their dropout randomness from torch's generator: torch.manual_seed reproduces it.
     """
     N = x.shape[-1]
     if residual is not None and residual.shape != x.shape:
