@@ -22,6 +22,7 @@ the torch.library registration with autograd, the PyTorch path, the public op, t
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -393,9 +394,9 @@ def _kernel_signature(kernel, dtype_name: str, mask_kind: int, head_dim: int) ->
              "qk_scale": "fp32", "sm_scale": "fp32", "dropout_p": "fp32", "philox_seed": "i64",
              "philox_offset": "i64"}
     signature = {}
-    for param in kernel.params:
-        name = param.name
-        if param.is_constexpr:
+    # Read the Python function's own signature: works for the interpreter's kernels too.
+    for name, param in inspect.signature(kernel.fn).parameters.items():
+        if "constexpr" in str(param.annotation):
             signature[name] = "constexpr"
         elif name in types:
             signature[name] = types[name]
