@@ -483,6 +483,7 @@ class Run:
         self.history: list[dict[str, Any]] = []
         if state is not None:
             self.restore(state)
+            self.forget_metrics_after(self.step)
             self.log(f"resumed from {resume[0]} at update {self.step} "
                      f"(epoch {self.epoch}, batch {self.epoch_step})")
         else:
@@ -625,6 +626,17 @@ class Run:
             bar.close()
         if args.save_every == 0 or self.step % args.save_every:
             self.save()  # the final state, if the last update did not just save it
+
+    def forget_metrics_after(self, step: int) -> None:
+        """Drops the log records a killed run wrote after its last checkpoint: the resumed run
+        writes them again."""
+        path = Path(self.args.metrics)
+        if not self.main or not path.exists():
+            return
+        lines = path.read_text().splitlines(keepends=True)
+        # A kill may have cut the last line short: it has no newline and is dropped too.
+        path.write_text("".join(line for line in lines
+                                if line.endswith("\n") and json.loads(line)["step"] <= step))
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         if not self.main:
