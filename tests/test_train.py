@@ -249,3 +249,23 @@ def test_corrupt_checkpoint_on_resume_is_one_clear_line(tmp_path):
     result = subprocess.run(train_command(paths, save_dir, "--resume"), capture_output=True,
                             text=True, timeout=300, env=TORCH_OPS)
     assert_one_line_error(result, "checkpoint_00000004.pt", "truncated or corrupt")
+
+
+def test_repeated_nan_stops_the_run_and_no_checkpoint_holds_nan(tmp_path):
+    paths = corpus(tmp_path, lines=40)
+    save_dir = tmp_path / "run"
+    # An absurd learning rate: the first update gives parameters whose next loss overflows.
+    result = subprocess.run(
+        train_command(paths, save_dir, "--lr-scale", "1e30", "--max-bad-steps", "3",
+                      "--save-every", "1", "--max-updates", "20"),
+        capture_output=True, text=True, timeout=300, env=TORCH_OPS)
+    assert result.returncode != 0
+    assert result.stdout.count("NaN/inf gradients, update skipped") == 3
+    assert result.stderr.strip() == (
+        "error: 3 updates in a row had NaN/inf gradients; stopping (lower --lr-scale, enable "
+        "--clip-norm or use --precision fp32)")
+    saved = checkpoint.list_checkpoints(save_dir)
+    assert saved
+    for path in saved:
+        for tensor in checkpoint.load_checkpoint(path)["model"].values():
+            assert torch.isfinite(tensor).all()
