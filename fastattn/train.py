@@ -489,7 +489,11 @@ class Run:
         else:
             torch.manual_seed(args.seed + self.rank)  # dropout differs between ranks
         loss_module = LossModule(self.model)
-        self.trainer = DistributedDataParallel(loss_module) if self.distributed else loss_module
+        if self.distributed:
+            devices = [self.device.index] if self.device.type == "cuda" else None
+            self.trainer = DistributedDataParallel(loss_module, device_ids=devices)
+        else:
+            self.trainer = loss_module
         self.last_save = time.time()
 
     def log(self, message: str) -> None:
