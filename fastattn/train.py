@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fastattn import checkpoint, data, evaluate
-from fastattn.model import PRESETS, Transformer
+from fastattn.model import PRESETS, Transformer, TransformerConfig
 
 MODEL_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "dropout")
 
@@ -415,6 +415,7 @@ class Run:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
+        self.bar = None
         self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if args.device == "auto":
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -468,19 +469,20 @@ class Run:
                  f"{100 * self.batches.padding_fraction():.1f}% of the batch tokens")
 
         torch.manual_seed(args.seed)
-        overrides = {name: getattr(args, name) for name in MODEL_FLAGS
-                     if getattr(args, name) is not None}
-        config = replace(PRESETS[args.preset], vocab_size=self.sp.get_piece_size(),
-                         pad_id=data.PAD_ID, label_smoothing=args.label_smoothing,
-                         **overrides)
+        if state is not None:  # a resumed run keeps its model, whatever the flags say now
+            config = TransformerConfig(**state["config"])
+        else:
+            overrides = {name: getattr(args, name) for name in MODEL_FLAGS
+                         if getattr(args, name) is not None}
+            config = replace(PRESETS[args.preset], vocab_size=self.sp.get_piece_size(),
+                             pad_id=data.PAD_ID, label_smoothing=args.label_smoothing,
+                             **overrides)
         self.config = config
         self.model = Transformer(config).to(self.device)
-        self.log(f"model: preset {args.preset}, {self.model.num_parameters():,} parameters, "
-                 f"{config}")
+        self.log(f"model: {self.model.num_parameters():,} parameters, {config}")
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0,
                                           betas=tuple(args.adam_betas), eps=args.adam_eps)
         self.step, self.epoch, self.epoch_step, self.bad_steps = 0, 0, 0, 0
-        self.history: list[dict[str, Any]] = []
         if state is not None:
             self.restore(state)
             self.forget_metrics_after(self.step)
@@ -498,9 +500,10 @@ class Run:
 
     def log(self, message: str) -> None:
         if self.main:
-            print(message, flush=True)
-            if hasattr(self, "bar"):
-                self.bar.refresh()
+            if self.bar is not None:
+                self.bar.write(message)  # above the progress bar, not through it
+            else:
+                print(message, flush=True)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -576,12 +579,11 @@ class Run:
 
     def train(self) -> None:
         args = self.args
-        bar = None
         if self.main and not args.no_progress:
             from tqdm import tqdm
 
-            bar = self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
-                                  dynamic_ncols=True)
+            self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
+                            dynamic_ncols=True)
         self.model.train()
         window = {"loss": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
         updates = self.updates()
@@ -610,24 +612,26 @@ class Run:
             if self.step % args.log_every == 0 or self.finished():
                 elapsed = time.time() - window["time"]
                 loss = window["loss"] / window["tokens"]
+                # loss and ppl are of the label-smoothed loss, per target token.
                 record = {"step": self.step, "epoch": self.epoch, "loss": loss,
                           "ppl": math.exp(min(loss, 50)), "lr": lr,
                           "tok_per_s": window["batch_tokens"] * self.world / elapsed,
                           "grad_norm": result.grad_norm, "time": time.time()}
                 self.write_metrics(record)
-                if bar is not None:
-                    bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
-                                    lr=f"{lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
-                                    epoch=self.epoch)
+                if self.bar is not None:
+                    self.bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
+                                         lr=f"{lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
+                                         epoch=self.epoch)
                 window = {"loss": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
-            if bar is not None:
-                bar.update(1)
+            if self.bar is not None:
+                self.bar.update(1)
             if args.eval_every and self.step % args.eval_every == 0:
                 self.validate()
             if self.save_due():
                 self.save()
-        if bar is not None:
-            bar.close()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
         if args.save_every == 0 or self.step % args.save_every:
             self.save()  # the final state, if the last update did not just save it
 
@@ -645,7 +649,6 @@ class Run:
     def write_metrics(self, record: dict[str, Any]) -> None:
         if not self.main:
             return
-        self.history.append(record)
         path = Path(self.args.metrics)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
