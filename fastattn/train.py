@@ -40,7 +40,7 @@ MODEL_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "
 PAPER = {
     "preset": "base",
     "vocab_size": "37000 (shared BPE, WMT en-de)",
-    "max_tokens": "25000 per GPU, 8 GPUs",
+    "max_tokens": "about 25000 source + 25000 target tokens per update",
     "warmup": "4000",
     "lr_scale": "1.0",
     "max_updates": "100000 (base), 300000 (big)",
@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m fastattn.train",
         description="Train a Transformer (Vaswani et al., 2017). Defaults: the tuned CPU recipe on "
         "the embedded Multi30k en->de; [paper: ...] gives the paper's value where it differs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpWithDefaults,
     )
     add = _adder(parser)
     g = parser.add_argument_group("data")
@@ -147,7 +147,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="drop training pairs whose longer side is this many times the shorter")
     add(g, "--max-tokens", type=int, default=6000,
         help="source + target tokens (padding included) per micro-batch per rank")
-    add(g, "--seed", type=int, default=1)
+    add(g, "--seed", type=int, default=1,
+        help="seeds initialisation, dropout and the batch order")
 
     g = parser.add_argument_group("model")
     add(g, "--preset", default="multi30k", choices=sorted(PRESETS), help="model preset")
@@ -163,12 +164,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = parser.add_argument_group("optimisation")
     add(g, "--lr-scale", type=float, default=2.0, help="multiplies the paper's schedule")
     add(g, "--warmup", type=int, default=1000, help="warmup updates of the schedule")
-    add(g, "--adam-betas", type=float, nargs=2, default=(0.9, 0.98))
-    add(g, "--adam-eps", type=float, default=1e-9)
-    add(g, "--label-smoothing", type=float, default=0.1)
+    add(g, "--adam-betas", type=float, nargs=2, default=(0.9, 0.98), help="Adam's β1 β2")
+    add(g, "--adam-eps", type=float, default=1e-9, help="Adam's ε")
+    add(g, "--label-smoothing", type=float, default=0.1, help="ε_ls of the loss")
     add(g, "--update-freq", type=int, default=1,
-        help="micro-batches accumulated per update (8 GPUs × 25k tokens = --update-freq 8 with "
-        "--max-tokens 25000 on one GPU)")
+        help="micro-batches accumulated per update (the paper's ~50k tokens per update on one "
+        "GPU: --max-tokens 6250 --update-freq 8)")
     add(g, "--clip-norm", type=float, default=0.0, help="clip the gradient norm (0: off)")
     add(g, "--max-updates", type=int, default=6000, help="stop after this many updates")
     add(g, "--max-epochs", type=int, default=0, help="stop after this many epochs (0: no limit)")
@@ -193,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     g = parser.add_argument_group("evaluation")
     add(g, "--eval-every", type=int, default=1000,
-        help="dev loss and greedy dev BLEU every N updates (0: only at the end)")
+        help="dev loss and greedy dev BLEU every N updates (0: never)")
     add(g, "--beam", type=int, default=4, help="test beam size")
     add(g, "--alpha", type=float, default=0.6, help="length penalty ((5+|Y|)/6)^alpha")
     add(g, "--max-len-b", type=int, default=50, help="hypotheses get source length + this")
@@ -210,6 +211,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
     args.metrics = args.metrics or str(Path(args.save_dir) / "metrics.jsonl")
     return args
+
+
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ("not set": the help says what applies then)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None:
+            return action.help or ""
+        return super()._get_help_string(action)
 
 
 def _adder(parser: argparse.ArgumentParser):
