@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastattn.backend import use_triton
+from fastattn.backend import interpreter_active, use_triton
 
 CAUSAL_ALIGNMENTS = {False: None, True: "top_left", "top_left": "top_left",
                      "bottom_right": "bottom_right"}
@@ -464,7 +464,17 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def _without_bf16(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Triton's CPU interpreter reads bf16 as raw bits (numpy has no bf16), so there bf16 tensors
+    are computed as fp32 copies; GPUs run the bf16 kernels."""
+    if not interpreter_active():
+        return tensors
+    return tuple(x.float() if x is not None and x.dtype == torch.bfloat16 else x for x in tensors)
+
+
 def _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale):
+    dtype = q.dtype
+    q, k, v, attn_mask = _without_bf16(q, k, v, attn_mask)
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -481,11 +491,13 @@ def _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale)
         HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=mask_kind,
         CAUSAL=causal is not None, DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages)
-    return out, lse
+    return out.to(dtype), lse
 
 
 def _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p,
                                scale):
+    dtype = q.dtype
+    grad_out, q, k, v, out, attn_mask = _without_bf16(grad_out, q, k, v, out, attn_mask)
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     grad_out = grad_out.contiguous()
     b, h, lq, d = q.shape
@@ -514,7 +526,7 @@ def _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, caus
     _attn_bwd_dq[(triton.cdiv(lq, block_m), b * h)](
         q, k, v, mask, grad_out, lse, delta, dq, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
-    return dq, dk, dv
+    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
 def _philox_seed_offset() -> torch.Tensor:
@@ -693,18 +705,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     gradients. causal: False, True / "top_left" (key j <= query i, PyTorch's alignment) or
     "bottom_right" (j <= i + Lk - Lq). attn_mask: bool (True = attend) or float (added),
     broadcastable to (B, H, Lq, Lk); no gradient flows to it. scale defaults to D ** -0.5.
-    Runs the Triton kernels when fastattn.backend.use_triton(q) says so, PyTorch otherwise.
+    Runs the Triton kernels (fp16, bf16, fp32; head dims up to 256) when
+    fastattn.backend.use_triton(q) says so, PyTorch otherwise and for fp64.
     """
     _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale)
     alignment = CAUSAL_ALIGNMENTS[causal]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if not use_triton(q):
+    if not use_triton(q) or q.dtype not in _TRITON_DTYPES:
+        # fp64 (gradcheck, references) runs PyTorch on every backend: the kernels have no fp64.
         return _attention_torch(q, k, v, alignment, attn_mask, dropout_p, scale)
     if q.shape[-1] > MAX_HEAD_DIM:
         raise ValueError(f"attention: the Triton kernels support head dims up to {MAX_HEAD_DIM}, "
                          f"got {q.shape[-1]}")
-    if q.dtype not in _TRITON_DTYPES:
-        raise TypeError(f"attention: the Triton kernels take fp16, bf16 or fp32, got {q.dtype}")
     rng = _philox_seed_offset() if dropout_p > 0 else None
     out, _ = _attention_forward_op(q, k, v, attn_mask, rng, alignment, float(dropout_p), scale)
     return out
