@@ -287,12 +287,13 @@ def label_smoothed_cross_entropy(
 
 
 def _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index):
-    """Per-row fp32 (loss, nll) of a logits chunk and d(sum_r row_weight_r loss_r) / dlogits.
+    """Per-row fp32 (loss, nll) of a logits chunk, which is overwritten with
+    d(sum_r row_weight_r loss_r) / dlogits.
 
     The softmax runs in the chunk's dtype, as F.cross_entropy's does (fp32 accumulation inside);
     the true-class entry, where p_t - 1 cancels, is formed in fp32 as expm1(log p_t)."""
     vocab, dtype = logits.shape[1], logits.dtype
-    logp = torch.log_softmax(logits, -1)
+    logp = torch.log_softmax(logits, -1, out=logits)  # in place: the rows reduce before writing
     valid = target != ignore_index
     safe_target = target.masked_fill(~valid, 0)[:, None]
     logp_t = logp.gather(1, safe_target)[:, 0].float()
@@ -309,16 +310,16 @@ def _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_inde
     true_class = w * (torch.expm1(logp_t) + smoothing * (1 - 1 / vocab))
     rows = torch.arange(len(target), device=target.device)
     grad[rows, safe_target[:, 0]] = true_class.to(dtype)  # index_put_: scatter_ is slow on CPU
-    return loss, nll, grad
+    return loss, nll
 
 
 def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index):
-    """(loss, nll, gradient) of a logits chunk; the Triton kernels write the gradient over the
-    chunk, which is linear_cross_entropy's own buffer."""
+    """(loss, nll) of a logits chunk, linear_cross_entropy's own buffer, which is overwritten
+    with the gradient."""
     if _use_kernel(logits):
         loss, nll, lse = _cross_entropy_fwd_triton(logits, target, smoothing, ignore_index)
         _cross_entropy_bwd_triton(logits, target, lse, row_weight, smoothing, ignore_index, logits)
-        return loss, nll, logits
+        return loss, nll
     return _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index)
 
 
@@ -342,17 +343,22 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, smoothing, ignore
     dbias = torch.zeros(V, dtype=torch.float32, device=hidden.device)
     if not (grads and bias is not None):
         dbias = hidden.new_empty(0)
+    buffer = hidden.new_empty((rows, V))  # reused: fresh large allocations page-fault
     for start in range(0, N, rows):
         part = slice(start, start + rows)
         h, t = hidden[part], target[part]
-        logits = F.linear(h, weight, bias)
+        logits = buffer[: len(h)]
+        if bias is None:
+            torch.mm(h, weight.T, out=logits)
+        else:
+            torch.addmm(bias, h, weight.T, out=logits)
         if not grads:
             loss[part], nll[part] = _cross_entropy_loss(logits, t, smoothing, ignore_index)
             continue
-        loss[part], nll[part], grad = _cross_entropy_grad(
+        loss[part], nll[part] = _cross_entropy_grad(
             logits, t, row_weight[part], smoothing, ignore_index
         )
-        del logits  # the torch path returned a new gradient buffer: free the logits now
+        grad = logits
         torch.mm(grad, weight, out=dhidden[part])
         if dweight.dtype == grad.dtype:
             dweight.addmm_(grad.T, h)
