@@ -20,11 +20,11 @@ on native kernels: one F.cross_entropy, or one log_softmax when the nll is asked
 
 linear_cross_entropy(hidden, weight, target) is cross-entropy of hidden @ weight.T + bias
 computed over row chunks of CHUNK_ELEMENTS logits, so the (N, V) logits never exist in full:
-each chunk's logits become their gradient (in place with the Triton kernels; the chunk is this
-function's own buffer) and are folded into dhidden, dweight (fp32) and dbias straight away: in
-the forward when the loss is reduced to a scalar, so the backward only scales by grad_output,
-and in a recomputing backward for reduction="none". Peak extra memory is one or two chunks plus
-an fp32 dweight, against the unfused pair's logits and their gradient in full.
+each chunk's logits are overwritten with their gradient in one reused buffer (this function's
+own) and folded into dhidden, dweight (fp32) and dbias straight away: in the forward when the
+loss is reduced to a scalar, so the backward only scales by grad_output, and in a recomputing
+backward for reduction="none". Peak extra memory is one chunk plus an fp32 dweight, against the
+unfused pair's logits and their gradient in full.
 """
 
 from __future__ import annotations
