@@ -16,8 +16,8 @@ difference: a query row that may attend to no key at all returns zeros and passe
   The Triton kernels draw the keep mask inside the kernel from Philox keyed by a (seed, offset)
   pair taken from torch's default generator; the backward regenerates the same mask.
 
-Files in this module, top to bottom: the Triton kernels, their block-size table, the launchers,
-the torch.library registration with autograd, the PyTorch path, the public op, the reference.
+Sections, top to bottom: the Triton kernels, their block-size table, the launchers, the
+torch.library registration with autograd, the PyTorch path, the public op, the reference.
 """
 
 from __future__ import annotations
@@ -609,8 +609,7 @@ _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 def _allowed_mask(causal: str | None, attn_mask: torch.Tensor | None, lq: int, lk: int,
                   device: torch.device) -> torch.Tensor | None:
-    """The mask to give PyTorch: attn_mask combined with the causal band (an (Lq, Lk) bool, only
-    built when causal and attn_mask meet, or for bottom-right alignment)."""
+    """The mask to give PyTorch: attn_mask combined with the causal band, an (Lq, Lk) bool."""
     if causal is None:
         return attn_mask
     band = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(_causal_shift(causal, lq, lk))

@@ -24,8 +24,9 @@ caches compiled kernels (~/.triton/cache), so a second run only re-reads the bin
 
 Registers, stack (spill) bytes and shared memory come from the cubin (cuobjdump
 --dump-resource-usage, shipped with Triton); tensor-core use from the PTX (mma.sync / wgmma).
-Triton 3.9 still compiles for sm_70, but without mma: on Volta tl.dot lowers to FMA loops, so
-that column reads "no" there by design.
+Triton 3.9 still compiles for sm_70, but without tensor cores: on Volta tl.dot lowers to FMA
+loops, so mma reads "no" there, and tiles sized for Ampere/Hopper tensor cores spill on Volta.
+sm_70 is reported for information; sm_80 and sm_90 are the targets the block sizes are tuned for.
 """
 
 from __future__ import annotations
