@@ -142,7 +142,6 @@ def test_large_vocabulary():
     _assert_within(out, exact, lowp, 1e-3)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter has no bfloat16")
 def test_bfloat16_logits():
     logits = torch.randn(N, 1000, dtype=torch.float64) * 3
     target = _target(N, 1000)
@@ -233,7 +232,6 @@ def test_linear_without_grad_and_under_no_grad(small_chunks):
     torch.testing.assert_close(loss.double(), exact, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="Triton's interpreter has no bfloat16")
 def test_linear_under_bfloat16_autocast(small_chunks):
     """The training step's setting on CPU: fp32 parameters, bf16 autocast."""
     g = torch.Generator().manual_seed(4)

@@ -58,7 +58,7 @@ def _check(ours, exact, torch_lowp, dtype):
             continue
         assert o.dtype == t.dtype and o.shape == e.shape
         assert torch.isfinite(o).all()
-        floor = 1e-5 if dtype == torch.float32 else 2e-3
+        floor = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
         torch_err = (t.double() - e).abs().max().item()
         err = (o.double() - e).abs().max().item()
         assert err <= 2 * torch_err + floor * max(1.0, e.abs().max().item()), (err, torch_err)
@@ -96,6 +96,11 @@ def test_matches_float64_reference(n, dtype):
 @pytest.mark.parametrize("n", [1000, 4099])  # the one-pass and the two-pass (wide) backward
 def test_optional_residual_weight_bias(parts, n):
     _compare(n, torch.float32, **parts)
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_bfloat16(dropout_p):
+    _compare(1000, torch.bfloat16, dropout_p=dropout_p)
 
 
 def test_mixed_dtypes_promote():
