@@ -33,6 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastattn import checkpoint, data, evaluate
 from fastattn.model import PRESETS, Transformer, TransformerConfig
+from fastattn.translate import Translator
 
 MODEL_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "dropout")
 
@@ -198,7 +199,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--beam", type=int, default=4, help="test beam size")
     add(g, "--alpha", type=float, default=0.6, help="length penalty ((5+|Y|)/6)^alpha")
     add(g, "--max-len-b", type=int, default=50, help="hypotheses get source length + this")
-    add(g, "--eval-batch-size", type=int, default=128, help="sentences per decoding batch")
+    add(g, "--eval-batch-tokens", type=int, default=4096,
+        help="source tokens per decoding batch")
 
     g = parser.add_argument_group("logging")
     add(g, "--log-every", type=int, default=50, help="metrics log interval in updates")
@@ -245,7 +247,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.src == args.tgt:
         parser.error("--src and --tgt must differ")
     positive = ["vocab_size", "max_len", "max_tokens", "warmup", "update_freq", "max_updates",
-                "beam", "eval_batch_size", "log_every", "average_last", "max_bad_steps", "keep"]
+                "beam", "eval_batch_tokens", "log_every", "average_last", "max_bad_steps", "keep"]
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -343,49 +345,15 @@ class LossModule(torch.nn.Module):
 # --- decoding and BLEU -------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def translate(
-    model: Transformer,
-    sp,
-    src_ids: Sequence[list[int]],
-    *,
-    beam: int,
-    alpha: float,
-    max_len_b: int,
-    batch_size: int,
-) -> list[str]:
-    """Detokenized translations of encoded sentences (source length + max_len_b tokens at most),
-    decoded in batches of similar length; beam 1 is greedy search."""
-    from fastattn.search import beam_search, greedy_search
-
-    device = next(model.parameters()).device
+def translate(model: Transformer, sp, sentences: Sequence[str], *, beam: int, alpha: float,
+              max_len_b: int, batch_tokens: int) -> list[str]:
+    """Detokenized translations (fastattn.Translator; beam 1 is greedy search)."""
     was_training = model.training
-    model.eval()
-    order = sorted(range(len(src_ids)), key=lambda i: len(src_ids[i]))
-    out: list[str] = [""] * len(src_ids)
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        source, _, _ = data.collate(src_ids, src_ids, rows)
-        source = source.to(device)
-        lengths = (source != data.PAD_ID).sum(1)
-        state = model.start_decoding(source)
-
-        def step_fn(tokens, reorder, state=state):
-            if reorder is not None:
-                state.reorder(reorder)
-            return model.decode_step(tokens[:, -1], state)
-
-        common = dict(bos_id=data.BOS_ID, eos_id=data.EOS_ID, max_len=lengths + max_len_b,
-                      device=device)
-        if beam == 1:
-            results = greedy_search(step_fn, len(rows), **common)
-        else:
-            results = beam_search(step_fn, len(rows), beam_size=beam, alpha=alpha, **common)
-        for i, hyps in zip(rows, results, strict=True):
-            best = hyps[0] if isinstance(hyps, list) else hyps
-            out[i] = sp.decode([t for t in best.tokens if t != data.EOS_ID])
+    translator = Translator(model, sp, beam_size=beam, alpha=alpha, max_len_b=max_len_b,
+                            batch_tokens=batch_tokens)
+    hypotheses = translator.translate(sentences)
     model.train(was_training)
-    return out
+    return hypotheses
 
 
 def bleu_scores(hypotheses: list[str], split: Split, tgt_lang: str) -> dict[str, Any]:
@@ -670,9 +638,9 @@ class Run:
             dev = self.splits["valid"]
             started = time.time()
             loss = dev_loss(self.model, dev, self.args.max_tokens, self.autocast)
-            hyps = translate(self.model, self.sp, dev.src_ids, beam=1, alpha=self.args.alpha,
+            hyps = translate(self.model, self.sp, dev.text.src, beam=1, alpha=self.args.alpha,
                              max_len_b=self.args.max_len_b,
-                             batch_size=self.args.eval_batch_size)
+                             batch_tokens=self.args.eval_batch_tokens)
             scores = bleu_scores(hyps, dev, self.args.tgt)
             self.write_metrics({"step": self.step, "epoch": self.epoch, "dev_loss": loss,
                                 "dev_bleu": scores["bleu"], "dev_tok_bleu": scores["tok_bleu"],
@@ -696,8 +664,8 @@ class Run:
         name = "test" if "test" in self.splits else "valid"
         split = self.splits[name]
         started = time.time()
-        hyps = translate(model, sp, split.src_ids, beam=args.beam, alpha=args.alpha,
-                         max_len_b=args.max_len_b, batch_size=args.eval_batch_size)
+        hyps = translate(model, sp, split.text.src, beam=args.beam, alpha=args.alpha,
+                         max_len_b=args.max_len_b, batch_tokens=args.eval_batch_tokens)
         scores = bleu_scores(hyps, split, args.tgt)
         output = Path(args.save_dir) / f"{name}.hyp.{args.tgt}"
         output.write_text("\n".join(hyps) + "\n", encoding="utf-8")
