@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fastattn.kernels.layer_norm import forward_bytes
 
 from benchmarks.common import DEVICE, DTYPES, QUICK, measure
+from fastattn.kernels.layer_norm import forward_bytes
 from fastattn.ops import layer_norm_residual
 
 # (rows, features, dropout): base and big sub-layers at the paper's batch, and a 16k-wide row.

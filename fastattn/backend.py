@@ -56,6 +56,7 @@ def get_backend() -> str:
     return _backend
 
 
+@torch.compiler.assume_constant_result  # fixed at triton's import, so dynamo may bake it in
 def interpreter_active() -> bool:
     """True if Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1 at import)."""
     if TRITON_PROBLEM is not None:

@@ -4,10 +4,10 @@ F.cross_entropy, on both backends."""
 import pytest
 import torch
 import torch.nn.functional as F
-from fastattn.kernels import cross_entropy
-from fastattn.kernels.cross_entropy import REDUCTIONS, cross_entropy_reference
 
 from fastattn.backend import use_triton
+from fastattn.kernels import cross_entropy
+from fastattn.kernels.cross_entropy import REDUCTIONS, cross_entropy_reference
 from fastattn.ops import label_smoothed_cross_entropy, linear_cross_entropy
 
 N = 6  # rows: small for the interpreter
@@ -260,11 +260,6 @@ def test_linear_bad_input_errors():
         linear_cross_entropy(hidden, torch.randn(10, 8), torch.tensor([0, 1, 2, 10]))
 
 
-@pytest.mark.skipif(
-    INTERPRETED,
-    reason="dynamo cannot trace fastattn.backend.interpreter_active (it reads triton.knobs), so "
-    "only the CPU torch path and CUDA tensors compile",
-)
 def test_compiles_with_fullgraph():
     logits = torch.randn(N, 40, requires_grad=True)
     hidden, weight = torch.randn(N, 8, requires_grad=True), torch.randn(40, 8, requires_grad=True)
