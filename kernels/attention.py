@@ -46,13 +46,18 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
-                   MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, CHECK_BOUNDS: tl.constexpr):
+                   MASK_KIND: tl.constexpr, KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                   CHECK_BOUNDS: tl.constexpr):
     """Scores s (log2 units) for query `rows` x key `cols` (broadcastable index blocks, so both
     tile orientations work), with the mask applied: -inf where query may not attend to key.
-    CHECK_BOUNDS=False is for tiles known to lie inside Lk and below the causal diagonal."""
+    KEY_MASK: the mask is the same for every query (key padding), so one vector over the tile's
+    keys is read. CHECK_BOUNDS=False is for tiles inside Lk and below the causal diagonal."""
     if MASK_KIND != 0:
-        in_bounds = (rows < Lq) & (cols < Lk)
-        m = tl.load(mask_ptr + rows * stride_mm + cols, mask=in_bounds, other=0)
+        if KEY_MASK:
+            m = tl.load(mask_ptr + cols, mask=cols < Lk, other=0)
+        else:
+            m = tl.load(mask_ptr + rows * stride_mm + cols, mask=(rows < Lq) & (cols < Lk),
+                        other=0)
         if MASK_KIND == 1:
             s = tl.where(m != 0, s, float("-inf"))
         else:
@@ -85,8 +90,9 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, 
                     stride_kn, stride_vn, stride_mm, Lq, Lk, causal_shift, qk_scale,
                     dropout_p, philox_seed, philox_offset, bh, row_start, lo, hi,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
-                    CHECK_BOUNDS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                    MASK_KIND: tl.constexpr, KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+                    DROPOUT: tl.constexpr, CHECK_BOUNDS: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """Online softmax over key tiles [lo, hi): running max m_i, running sum l_i, output acc."""
     rows = offs_m[:, None]
     for start_n in range(lo, hi, BLOCK_N):
@@ -97,7 +103,7 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, 
         k_t = tl.load(k_base + cols * stride_kn + offs_d[:, None], mask=kv_mask, other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
-                           MASK_KIND, CAUSAL, CHECK_BOUNDS)
+                           MASK_KIND, KEY_MASK, CAUSAL, CHECK_BOUNDS)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with nothing allowed yet has m_new = -inf; shift by 0 instead so exp2 gives 0.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -120,8 +126,8 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
               stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
               H, Lq, Lk, causal_shift, qk_scale, dropout_p, philox_seed, philox_offset,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, CAUSAL: tl.constexpr,
-              DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, KEY_MASK: tl.constexpr,
+              CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One program computes BLOCK_M query rows of one (batch, head).
 
     Scores are kept in log2 units, s = (q.k * scale + bias) * log2(e), so that
@@ -163,12 +169,12 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
         acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, offs_d, stride_kn, stride_vn,
         stride_mm, Lq, Lk, causal_shift, qk_scale, dropout_p, philox_seed,
         philox_offset, bh, pid_m * BLOCK_M, 0, n_full, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_KIND,
-        CAUSAL, DROPOUT, False, DOT_PRECISION)
+        KEY_MASK, CAUSAL, DROPOUT, False, DOT_PRECISION)
     acc, l_i, m_i = _attn_fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, offs_d, stride_kn, stride_vn,
         stride_mm, Lq, Lk, causal_shift, qk_scale, dropout_p, philox_seed,
         philox_offset, bh, pid_m * BLOCK_M, n_full, hi, HEAD_DIM, BLOCK_M, BLOCK_N, MASK_KIND,
-        CAUSAL, DROPOUT, True, DOT_PRECISION)
+        KEY_MASK, CAUSAL, DROPOUT, True, DOT_PRECISION)
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -204,7 +210,8 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
                    H, Lq, Lk, causal_shift, qk_scale, sm_scale, dropout_p, philox_seed,
                    philox_offset, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-                   CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                   KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
     """One program owns BLOCK_N keys of one (batch, head) and loops over the query tiles that can
     see them, so dK and dV are each written once (deterministic, no atomics). Tiles are held
     transposed, keys x queries:
@@ -244,7 +251,7 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
         delta = tl.load(Delta + row0 + start_m + offs_m, mask=start_m + offs_m < Lq, other=0.0)
         s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale
         s_t = _masked_scores(s_t, rows, cols, mask_ptr, stride_mm, Lq, Lk,
-                             causal_shift, MASK_KIND, CAUSAL, True)
+                             causal_shift, MASK_KIND, KEY_MASK, CAUSAL, True)
         p_t = tl.math.exp2(s_t - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -270,7 +277,8 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
                  H, Lq, Lk, causal_shift, qk_scale, sm_scale, dropout_p, philox_seed,
                  philox_offset, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
-                 CAUSAL: tl.constexpr, DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
     """One program owns BLOCK_M queries of one (batch, head) and loops over the key tiles they
     may see (causal stops at the diagonal):
         P = 2^(S - lse * log2 e),  dP = (dO V^T) * Z,  dS = P * (dP - Delta),  dQ = scale * dS K."""
@@ -305,7 +313,7 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
         v_t = tl.load(v_base + cols * stride_vn + offs_d[:, None], mask=kv_mask, other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
-                           MASK_KIND, CAUSAL, True)
+                           MASK_KIND, KEY_MASK, CAUSAL, True)
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -426,7 +434,8 @@ def compile_configs() -> list[dict]:
                 name=f"{kernel.__name__} d={block_d} {name} mask+causal+dropout", fn=kernel,
                 signature=_kernel_signature(kernel, name, BOOL_MASK, block_d),
                 constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=block_m,
-                                BLOCK_N=block_n, MASK_KIND=BOOL_MASK, CAUSAL=True, DROPOUT=True,
+                                BLOCK_N=block_n, MASK_KIND=BOOL_MASK, KEY_MASK=False,
+                                CAUSAL=True, DROPOUT=True,
                                 DOT_PRECISION=_dot_precision(dtype)),
                 num_warps=num_warps, num_stages=num_stages))
         configs.append(dict(
@@ -443,17 +452,19 @@ def compile_configs() -> list[dict]:
 
 
 def _mask_args(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):
-    """(tensor, kind, (batch, head, query) strides) for the kernels, which read keys with unit
-    stride (contiguous, vectorisable loads) and broadcast dims with stride 0; bools as u8."""
+    """(tensor, (batch, head, query) strides, constexpr flags) describing the mask to the
+    kernels, which read keys with unit stride (contiguous loads) and broadcast dims with stride 0;
+    bools as u8. A mask broadcast over queries (key padding) is read as one vector per tile."""
     if attn_mask is None:
-        return q, NO_MASK, (0, 0, 0)  # never read
+        return q, (0, 0, 0), dict(MASK_KIND=NO_MASK, KEY_MASK=False)  # never read
     b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     if attn_mask.stride(-1) != 1 or attn_mask.shape[-1] != lk:
         # Rare: a transposed mask, or one broadcast over keys: copy it, at its own size.
         attn_mask = attn_mask.expand(*attn_mask.shape[:-1], lk).contiguous()
     mask = attn_mask.expand(b, h, lq, lk)  # a view: broadcast dims get stride 0
-    kind = BOOL_MASK if mask.dtype == torch.bool else FLOAT_MASK
-    return mask.view(torch.uint8) if kind == BOOL_MASK else mask, kind, mask.stride()[:3]
+    flags = dict(MASK_KIND=BOOL_MASK if mask.dtype == torch.bool else FLOAT_MASK,
+                 KEY_MASK=mask.stride(2) == 0)
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask, mask.stride()[:3], flags
 
 
 def _causal_shift(causal: str | None, lq: int, lk: int) -> int:
@@ -480,7 +491,7 @@ def _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale)
     lk = k.shape[2]
     out = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
-    mask, mask_kind, mask_strides = _mask_args(attn_mask, q, k)
+    mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
     block_m, block_n, num_warps, num_stages = _config(FWD_CONFIGS, d, q.dtype)
     grid = (triton.cdiv(lq, block_m), b * h)
@@ -488,7 +499,7 @@ def _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale)
         q, k, v, mask, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), *mask_strides, h, lq, lk,
         _causal_shift(causal, lq, lk), scale * LOG2E, dropout_p, seed, offset,
-        HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=mask_kind,
+        HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, **mask_flags,
         CAUSAL=causal is not None, DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages)
     return out.to(dtype), lse
@@ -510,13 +521,13 @@ def _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, caus
     dq = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
     dk = torch.empty((b, h, lk, d), dtype=k.dtype, device=q.device)
     dv = torch.empty((b, h, lk, d), dtype=v.dtype, device=q.device)
-    mask, mask_kind, mask_strides = _mask_args(attn_mask, q, k)
+    mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), *mask_strides)
     scalars = (h, lq, lk, _causal_shift(causal, lq, lk), scale * LOG2E, scale, dropout_p, seed,
                offset)
-    flags = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), MASK_KIND=mask_kind, CAUSAL=causal is not None,
+    flags = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), **mask_flags, CAUSAL=causal is not None,
                  DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype))
     block_m, block_n, num_warps, num_stages = _config(BWD_DKDV_CONFIGS, d, q.dtype)
     _attn_bwd_dkdv[(triton.cdiv(lk, block_n), b * h)](
