@@ -1,10 +1,11 @@
 """The measurement protocol every benchmark follows: one device, one timing rule, one honest peak
 memory figure, and the device's peak FLOP/s for utilisation.
 
-Timing: two untimed calls (lazy initialisation, allocator warm-up, autotuning), one untimed
-warm-up round for calls under a second, then rounds of `iterations` calls each, sized so a round
-lasts about ROUND_SECONDS and the whole benchmark about BUDGET_SECONDS, never fewer than
-MIN_ROUNDS rounds (callers lower that for calls of several seconds). CUDA work is synchronised
+Timing: untimed calls first (lazy initialisation, allocator warm-up, autotuning): three, one of
+them profiled for memory, plus a warm-up round, for calls under a second; two for slower ones.
+Then rounds of `iterations` calls each, sized so a round lasts about ROUND_SECONDS and the whole
+benchmark about BUDGET_SECONDS, never fewer than MIN_ROUNDS rounds (callers lower that for calls
+of several seconds). CUDA work is synchronised
 inside every timed call. FASTATTN_BENCH_QUICK=1 shrinks shapes and rounds to a smoke run (its
 numbers mean nothing).
 
@@ -69,10 +70,9 @@ def measure(
         fn()
         synchronize()
 
-    call()
-    start = time.perf_counter()
-    call()
-    once = time.perf_counter() - start
+    once = seconds(call)
+    if once < 1.0:  # time a warm call too; for slower ones the profiled call below warms up
+        once = seconds(call)
     iterations = max(1, round(ROUND_SECONDS / once))
     rounds = round(BUDGET_SECONDS / (once * iterations))
     rounds = min(MAX_ROUNDS, max(MIN_ROUNDS if QUICK else min_rounds, rounds))
@@ -93,6 +93,12 @@ def measure(
         benchmark.extra_info["flop_per_s"] = flop / median
     if bytes_moved is not None:
         benchmark.extra_info["bytes_per_s"] = bytes_moved / median
+
+
+def seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def peak_memory(fn: Callable[[], object]) -> int:

@@ -318,8 +318,9 @@ def compile_summary(rows: list[dict]) -> str:
 # --- the document ----------------------------------------------------------------------------
 
 HOW_TO_READ = (
-    "Times are medians over rounds (each round the mean of `iters` calls), after two untimed "
-    "warm-up calls (and a warm-up round for calls under a second); spread is half the "
+    "Times are medians over rounds (each round the mean of `iters` calls), after untimed "
+    "warm-up calls (three and a warm-up round for calls under a second, two for slower ones; "
+    "see benchmarks/common.py); spread is half the "
     "interquartile range relative to the median. Speed-up = the baseline's median / this "
     "median (> 1: faster). FLOP/s and bandwidth credit every implementation of a case with the "
     "same useful work (see each bench_*.py), so they compare like times. Peak memory is what "
