@@ -9,12 +9,12 @@ import sys
 import pytest
 import torch
 from conftest import INTERPRETED, assert_graded_close
+
 from fastattn.kernels.attention import (
     _attention_forward_op,
     _dropout_keep_mask,
     attention_reference,
 )
-
 from fastattn.ops import attention
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
@@ -210,8 +210,6 @@ def test_dropout_is_reproducible_from_the_seed():
     assert torch.equal(attention(q, k, v, dropout_p=0.5), first)
 
 
-@pytest.mark.skipif(INTERPRETED, reason="dynamo cannot trace fastattn.backend.interpreter_active "
-                    "(it reads triton.knobs); the registered op is compiled in the next test")
 def test_torch_compile_fullgraph(seeded):
     """A function calling the op traces as one graph, forward and backward (aot_eager: no code
     generation, so this stays cheap on CPU)."""

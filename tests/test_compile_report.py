@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from fastattn.kernels import attention
 from fastattn.kernels.compile_report import KERNEL_MODULES, CompiledConfig, _cuobjdump, format_table
 
@@ -51,10 +52,11 @@ def test_attention_up_to_head_dim_128_spills_nothing(report):
 def test_attention_matmuls_use_tensor_cores_in_16_bit(report):
     """fp16 tiles become mma.sync on sm_80 and mma or wgmma on sm_90 (fp32 runs the exact
     IEEE product on FMA units unless torch allows tf32)."""
-    for r in report:
-        if r["module"] == attention.__name__ and " fp16 " in r["name"] + " " \
-                and "delta" not in r["name"]:
-            assert r["mma"] or r["wgmma"], r["name"]
+    matmul_kernels = [r for r in report if r["module"] == attention.__name__
+                      and "fp16" in r["name"].split() and "delta" not in r["name"]]
+    assert matmul_kernels
+    for r in matmul_kernels:
+        assert r["mma"] or r["wgmma"], (r["name"], r["arch"])
 
 
 def test_table_lists_every_column():
