@@ -63,6 +63,8 @@ def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> f
 class StepResult:
     loss: float
     """Label-smoothed loss per target token of the whole update (all ranks)."""
+    nll: float
+    """Negative log-likelihood per target token (exp of it is the perplexity)."""
     tokens: int
     """Target tokens in the update (all ranks)."""
     grad_norm: float
@@ -80,7 +82,7 @@ def train_step(
     clip_norm: float = 0.0,
 ) -> StepResult:
     """One update from this rank's micro-batches; `model` maps a batch (source, decoder input,
-    decoder target) to its summed label-smoothed loss (LossModule, maybe inside DDP). Under DDP
+    decoder target) to its summed label-smoothed loss and NLL (LossModule, maybe in DDP). Under DDP
     the gradients are averaged over ranks; the loss is scaled so that the result is the gradient
     of the loss summed over every rank's batches divided by their total target tokens."""
     device = next(model.parameters()).device
@@ -93,34 +95,36 @@ def train_step(
     total_tokens = int(counts.item())
     normaliser = total_tokens / world  # DDP averages over ranks: undo that with the world size
 
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll
     for i, batch in enumerate(batches):
         batch = tuple(t.to(device, non_blocking=True) for t in batch)
         last = i == len(batches) - 1
         sync = model.no_sync() if distributed and not last else contextlib.nullcontext()
         with sync:
             with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
-                loss = model(*batch)
+                loss, nll = model(*batch)
             scaled = loss / normaliser
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        loss_sum += loss.detach().double()
+        sums += torch.stack([loss.detach(), nll.detach()]).double()
 
     if distributed:
-        dist.all_reduce(loss_sum)
+        dist.all_reduce(sums)
     if scaler is not None:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
     grad_norm = float(
         torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else math.inf)
     )
-    ok = math.isfinite(grad_norm) and math.isfinite(float(loss_sum))
+    loss_sum, nll_sum = sums.tolist()
+    ok = math.isfinite(grad_norm) and math.isfinite(loss_sum)
     if scaler is not None:
         scaler.step(optimizer)  # skips the update itself when it found inf/NaN gradients
         scaler.update()  # and lowers the loss scale
     elif ok:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return StepResult(float(loss_sum) / max(total_tokens, 1), total_tokens, grad_norm, ok)
+    tokens = max(total_tokens, 1)
+    return StepResult(loss_sum / tokens, nll_sum / tokens, total_tokens, grad_norm, ok)
 
 
 # --- arguments ---------------------------------------------------------------------------------
@@ -332,14 +336,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class LossModule(torch.nn.Module):
-    """model.loss as a forward(), so that DistributedDataParallel can wrap it."""
+    """model.loss as a forward(), so that DistributedDataParallel can wrap it: the summed
+    label-smoothed loss and the summed NLL of a batch."""
 
     def __init__(self, model: Transformer) -> None:
         super().__init__()
         self.model = model
 
     def forward(self, source: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor):
-        return self.model.loss(source, inputs, targets, reduction="sum")
+        return self.model.loss(source, inputs, targets, reduction="sum", return_nll=True)
 
 
 # --- decoding and BLEU -------------------------------------------------------------------------
@@ -369,23 +374,30 @@ def bleu_scores(hypotheses: list[str], split: Split, tgt_lang: str) -> dict[str,
 
 
 @torch.no_grad()
-def dev_loss(model: Transformer, split: Split, max_tokens: int, autocast_dtype) -> float:
-    """Label-smoothed loss per target token on a split."""
+def dev_loss(model: Transformer, split: Split, max_tokens: int,
+             autocast_dtype: torch.dtype | None) -> tuple[float, float]:
+    """Label-smoothed loss and NLL per target token on a split."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     lengths = [len(s) + 1 for s in split.src_ids], [len(t) + 1 for t in split.tgt_ids]
-    total = tokens = 0.0
+    total = nll = tokens = 0.0
     for indices in data.TokenBatches(*lengths, max_tokens).epoch(0):
         batch = [t.to(device) for t in data.collate(split.src_ids, split.tgt_ids, indices)]
         with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
-            total += float(model.loss(*batch, reduction="sum"))
+            loss, batch_nll = model.loss(*batch, reduction="sum", return_nll=True)
+        total, nll = total + float(loss), nll + float(batch_nll)
         tokens += int((batch[2] != data.PAD_ID).sum())
     model.train(was_training)
-    return total / tokens
+    return total / tokens, nll / tokens
 
 
 # --- the run -----------------------------------------------------------------------------------
+
+
+def new_window() -> dict[str, float]:
+    """Sums over the updates since the last log record."""
+    return {"loss": 0.0, "nll": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
 
 
 class Run:
@@ -563,7 +575,7 @@ class Run:
             self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
                             dynamic_ncols=True)
         self.model.train()
-        window = {"loss": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
+        window = new_window()
         updates = self.updates()
         while not self.finished():
             batches = next(updates)
@@ -585,14 +597,14 @@ class Run:
             self.bad_steps = 0
             self.step += 1
             window["loss"] += result.loss * result.tokens
+            window["nll"] += result.nll * result.tokens
             window["tokens"] += result.tokens
             window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in batches)
             if self.step % args.log_every == 0 or self.finished():
                 elapsed = time.time() - window["time"]
-                loss = window["loss"] / window["tokens"]
-                # loss and ppl are of the label-smoothed loss, per target token.
-                record = {"step": self.step, "epoch": self.epoch, "loss": loss,
-                          "ppl": math.exp(min(loss, 50)), "lr": lr,
+                loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
+                record = {"step": self.step, "epoch": self.epoch, "loss": loss, "nll": nll,
+                          "ppl": math.exp(min(nll, 50)), "lr": lr,
                           "tok_per_s": window["batch_tokens"] * self.world / elapsed,
                           "grad_norm": result.grad_norm, "time": time.time()}
                 self.write_metrics(record)
@@ -600,7 +612,7 @@ class Run:
                     self.bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
                                          lr=f"{lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
                                          epoch=self.epoch)
-                window = {"loss": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
+                window = new_window()
             if self.bar is not None:
                 self.bar.update(1)
             if args.eval_every and self.step % args.eval_every == 0:
@@ -637,15 +649,17 @@ class Run:
         if self.main:
             dev = self.splits["valid"]
             started = time.time()
-            loss = dev_loss(self.model, dev, self.args.max_tokens, self.autocast)
+            loss, nll = dev_loss(self.model, dev, self.args.max_tokens, self.autocast)
             hyps = translate(self.model, self.sp, dev.text.src, beam=1, alpha=self.args.alpha,
                              max_len_b=self.args.max_len_b,
                              batch_tokens=self.args.eval_batch_tokens)
             scores = bleu_scores(hyps, dev, self.args.tgt)
             self.write_metrics({"step": self.step, "epoch": self.epoch, "dev_loss": loss,
+                                "dev_ppl": math.exp(min(nll, 50)),
                                 "dev_bleu": scores["bleu"], "dev_tok_bleu": scores["tok_bleu"],
                                 "time": time.time()})
-            self.log(f"update {self.step}: dev loss {loss:.3f}, greedy dev BLEU "
+            self.log(f"update {self.step}: dev loss {loss:.3f}, ppl {math.exp(min(nll, 50)):.2f}, "
+                     f"greedy dev BLEU "
                      f"{scores['bleu']:.2f} (tokenized {scores['tok_bleu']:.2f}) "
                      f"[{time.time() - started:.0f}s]")
         if self.distributed:

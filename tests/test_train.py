@@ -69,9 +69,10 @@ def test_update_changes_the_model_and_the_loss_per_token_is_right():
     model = tiny_model()
     before = [p.detach().clone() for p in model.parameters()]
     with torch.no_grad():
-        expected = float(model.loss(*batch, reduction="mean"))
+        loss, nll = model.loss(*batch, reduction="mean", return_nll=True)
     result, after = update(model, [batch])
-    assert result.loss == pytest.approx(expected, rel=1e-6)
+    assert result.loss == pytest.approx(float(loss), rel=1e-6)
+    assert result.nll == pytest.approx(float(nll), rel=1e-6)
     assert all(not torch.equal(a, b) for a, b in zip(before, after, strict=True)
                if a.dim() == 2)
 
