@@ -349,8 +349,9 @@ def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offse
 #   and 64 x 32 above, where the (BLOCK_M, D) fp32 accumulator grows. 8 warps throughout.
 # - dK/dV: two (BLOCK_N, D) fp32 accumulators per program, hence narrower tiles than the dQ
 #   pass, which holds one (BLOCK_M, D) accumulator.
-# - fp32 inputs: half the tiles or less, since the exact fp32 product runs on FMA units, where
-#   the operands live in registers instead of being fed to tensor cores.
+# - fp32 inputs: half the tiles or less. By default (torch's allow_tf32 off) the exact fp32
+#   product runs on FMA units, with the operands in registers; with tf32 allowed, on tensor
+#   cores. Both compile without spills from the same entries.
 # Ampere and Hopper share the table; the report shows which entries Hopper runs on wgmma.
 # ---------------------------------------------------------------------------------------------
 
@@ -364,7 +365,7 @@ BWD_DKDV_CONFIGS = {
     (16, 2): (32, 64, 8, 2), (32, 2): (32, 64, 8, 2), (64, 2): (64, 32, 8, 2),
     (128, 2): (32, 64, 8, 2), (256, 2): (32, 32, 8, 1),
     (16, 4): (16, 32, 4, 2), (32, 4): (16, 32, 4, 2), (64, 4): (16, 32, 4, 2),
-    (128, 4): (16, 32, 8, 2), (256, 4): (16, 32, 8, 1),
+    (128, 4): (32, 16, 8, 2), (256, 4): (16, 32, 8, 1),
 }
 BWD_DQ_CONFIGS = {
     (16, 2): (128, 32, 8, 3), (32, 2): (128, 32, 8, 3), (64, 2): (128, 32, 8, 3),
@@ -420,27 +421,29 @@ def _kernel_signature(kernel, dtype_name: str, mask_kind: int, head_dim: int) ->
 def compile_configs() -> list[dict]:
     """Every configuration the launchers can pick, for fastattn.kernels.compile_report: each
     table entry (padded head dim x element size; bf16 shares fp16's tiles, and head dims such as
-    40, 80, 96 their padded entry's) for the forward, both backward passes and the Delta pass.
-    Each kernel is compiled in its heaviest feature set (bool mask, causal, dropout), which holds
-    the most live registers: a configuration that does not spill there does not spill at all."""
+    40, 80, 96 their padded entry's; fp32 both exact and with tf32 allowed) for the forward, both
+    backward passes and the Delta pass. Each kernel is compiled in its heaviest feature set (bool
+    mask per query, causal, dropout), which holds the most live registers."""
+    variants = {2: [("fp16", "tf32")], 4: [("fp32", "ieee"), ("fp32 tf32", "tf32")]}
     configs = []
     for block_d, element_size in FWD_CONFIGS:
         dtype = torch.float16 if element_size == 2 else torch.float32
-        name = _TRITON_DTYPES[dtype]
-        for kernel, table in ((_attn_fwd, FWD_CONFIGS), (_attn_bwd_dkdv, BWD_DKDV_CONFIGS),
-                              (_attn_bwd_dq, BWD_DQ_CONFIGS)):
-            block_m, block_n, num_warps, num_stages = _config(table, block_d, dtype)
-            configs.append(dict(
-                name=f"{kernel.__name__} d={block_d} {name} mask+causal+dropout", fn=kernel,
-                signature=_kernel_signature(kernel, name, BOOL_MASK, block_d),
-                constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=block_m,
-                                BLOCK_N=block_n, MASK_KIND=BOOL_MASK, KEY_MASK=False,
-                                CAUSAL=True, DROPOUT=True,
-                                DOT_PRECISION=_dot_precision(dtype)),
-                num_warps=num_warps, num_stages=num_stages))
+        for label, precision in variants[element_size]:
+            dtype_name = label.split()[0]
+            for kernel, table in ((_attn_fwd, FWD_CONFIGS), (_attn_bwd_dkdv, BWD_DKDV_CONFIGS),
+                                  (_attn_bwd_dq, BWD_DQ_CONFIGS)):
+                block_m, block_n, num_warps, num_stages = _config(table, block_d, dtype)
+                configs.append(dict(
+                    name=f"{kernel.__name__} d={block_d} {label} mask+causal+dropout", fn=kernel,
+                    signature=_kernel_signature(kernel, dtype_name, BOOL_MASK, block_d),
+                    constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=block_m,
+                                    BLOCK_N=block_n, MASK_KIND=BOOL_MASK, KEY_MASK=False,
+                                    CAUSAL=True, DROPOUT=True, DOT_PRECISION=precision),
+                    num_warps=num_warps, num_stages=num_stages))
+        dtype_name = _TRITON_DTYPES[dtype]
         configs.append(dict(
-            name=f"_attn_bwd_delta d={block_d} {name}", fn=_attn_bwd_delta,
-            signature=_kernel_signature(_attn_bwd_delta, name, NO_MASK, block_d),
+            name=f"_attn_bwd_delta d={block_d} {dtype_name}", fn=_attn_bwd_delta,
+            signature=_kernel_signature(_attn_bwd_delta, dtype_name, NO_MASK, block_d),
             constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=DELTA_TILE // block_d),
             num_warps=4, num_stages=1))
     return configs
