@@ -10,7 +10,7 @@ state are fp32):
   attention              4 B H Lq Lk Dh FLOP forward (half the pairs when causal), 2.5x that
                          backward; reads q, k, v, writes o (and the backward reads q, k, v, o, dO,
                          writes dq, dk, dv): e B (6 Lq d + 6 Lk d); never an (Lq, Lk) buffer
-  residual LayerNorm     9 e per element forward + backward (bench_layer_norm's counts)
+  residual LayerNorm     8 e per element forward + backward, dropout fused (bench_layer_norm)
   ReLU                   5 e per element of the d_ff hidden forward + backward
   embeddings             8 e per element (gather, scale, positions, dropout and their backward)
                          + 4 V d for the dense embedding gradient
@@ -107,7 +107,7 @@ def training_step(s: Shape, e: int) -> list[Op]:
         _attention("self-attention", s, s.src_len, s.src_len, False, e),
         _linear("feed-forward", src, d, 2 * f, e),
         Op("ReLU", 0, 5 * e * src * f, False),
-        Op("residual LayerNorm", 0, 2 * 9 * e * src * d, False),
+        Op("residual LayerNorm", 0, 2 * 8 * e * src * d, False),
     ]
     per_decoder_layer = [
         _linear("q, k, v, out projections", tgt, d, 4 * d, e),
@@ -117,7 +117,7 @@ def training_step(s: Shape, e: int) -> list[Op]:
         _attention("cross-attention", s, s.tgt_len, s.src_len, False, e),
         _linear("feed-forward", tgt, d, 2 * f, e),
         Op("ReLU", 0, 5 * e * tgt * f, False),
-        Op("residual LayerNorm", 0, 3 * 9 * e * tgt * d, False),
+        Op("residual LayerNorm", 0, 3 * 8 * e * tgt * d, False),
     ]
     ops = [Op("embeddings", 0, 8 * e * (src + tgt) * d + 4 * s.vocab * d, False)]
     for op in per_encoder_layer:
