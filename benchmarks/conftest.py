@@ -37,6 +37,12 @@ def pytest_collect_file(file_path, parent):
     return None
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every benchmark draws the same inputs on every run."""
+    torch.manual_seed(0)
+
+
 def environment() -> dict[str, object]:
     import triton
 
