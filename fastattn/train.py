@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import math
 import os
@@ -735,6 +736,10 @@ def main(argv: list[str] | None = None) -> None:
         run = Run(args)
         run.train()
         run.finish()
+        # Free DDP's reducer while the process group is still registered: were it the last
+        # owner, its gloo destructor would join worker threads that wait for the GIL it holds.
+        del run
+        gc.collect()
     except (data.DataError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
