@@ -11,7 +11,6 @@ from fastattn.modules import (
     replace_multihead_attention,
 )
 from fastattn.search import Hypothesis, beam_search, greedy_search
-from fastattn.translate import Translator
 
 __version__ = "0.1.0"
 __all__ = [
@@ -31,3 +30,12 @@ __all__ = [
     "replace_multihead_attention",
     "set_backend",
 ]
+
+
+def __getattr__(name: str):
+    # Imported on first use: `python -m fastattn.translate` must not find itself already imported.
+    if name == "Translator":
+        from fastattn.translate import Translator
+
+        return Translator
+    raise AttributeError(f"module 'fastattn' has no attribute {name!r}")
