@@ -345,7 +345,12 @@ def render(results: dict, compile_rows: list[dict] | None, compile_problem: str)
         lines += ["> **QUICK MODE**: a smoke run on tiny shapes; these numbers mean nothing.", ""]
     lines += [
         f"- device: {device}, {env.get('torch_threads')} torch threads; fastattn backend "
-        f"`{env.get('fastattn_backend')}`",
+        f"`{env.get('fastattn_backend')}`"
+        + (
+            " (on CPU: Triton's interpreter, so fastattn rows time a simulator, not kernels)"
+            if env.get("fastattn_backend") == "triton" and env.get("device_type") == "cpu"
+            else ""
+        ),
         f"- torch {env.get('torch')}, triton {env.get('triton')}, fastattn {env.get('fastattn')}, "
         f"Python {env.get('python')}" + (f", CUDA {env['cuda']}" if env.get("cuda") else ""),
         f"- date {results.get('datetime', '?')[:19].replace('T', ' ')} UTC, commit "
