@@ -1,0 +1,148 @@
+"""Decoding throughput, beam 4, "pow" length penalty (α = 0.6) for comparability, same weights:
+fastattn (cached decoder + native beam search) against CTranslate2 float32 (the converted model,
+fastattn.ctranslate2_convert) and against a plain PyTorch beam search that re-runs the decoder on
+the whole prefix every step (no cache) and keeps finished sentences in the batch; batch 64 and
+batch 1 on Multi30k test2016 sources. Also the per-step bookkeeping of native against python.
+
+The model: FASTATTN_BENCH_CHECKPOINT if set, else a random `tiny`-shaped model (outputs then run
+to max_len: the throughput is comparable, the translations meaningless). Ratios come from one run.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+
+from benchmarks.common import QUICK, measure
+from fastattn import data
+from fastattn.search import beam_search, beam_search_step_python
+
+BEAM, ALPHA, MAX_LEN = 4, 0.6, 40
+SENTENCES = {64: 8 if QUICK else 64, 1: 2 if QUICK else 8}
+
+
+def load():
+    path = os.environ.get("FASTATTN_BENCH_CHECKPOINT")
+    if path:
+        from fastattn.checkpoint import load_model
+
+        model, sp, _ = load_model(path)
+        return model, sp
+    from fastattn.model import Transformer
+
+    text = data.load_multi30k("val", "en", "de")
+    sp = data.load_sentencepiece(data.train_sentencepiece(list(text.src) + list(text.tgt), 1000))
+    torch.manual_seed(0)
+    return Transformer.from_preset("tiny", vocab_size=1000, dropout=0.0).eval(), sp
+
+
+MODEL, SP = load()
+SOURCES = [SP.encode(s) + [SP.eos_id()] for s in data.load_multi30k("test2016", "en", "de").src]
+
+
+def padded(batch):
+    source = torch.full((len(batch), max(map(len, batch))), SP.pad_id(), dtype=torch.long)
+    for i, ids in enumerate(batch):
+        source[i, : len(ids)] = torch.tensor(ids)
+    return source
+
+
+def fastattn_decode(batch):
+    state = MODEL.start_decoding(padded(batch))
+
+    def step_fn(tokens, reorder):
+        if reorder is not None:
+            state.reorder(reorder)
+        return MODEL.decode_step(tokens[:, -1], state)
+
+    return beam_search(step_fn, len(batch), beam_size=BEAM, bos_id=SP.bos_id(),
+                       eos_id=SP.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
+                       length_penalty="pow")
+
+
+@torch.inference_mode()
+def plain_decode(batch):
+    """Straightforward batched beam search: no cache, finished sentences stay in the batch."""
+    n, eos = len(batch), SP.eos_id()
+    memory, mask = MODEL.encode(padded(batch))
+    memory, mask = memory.repeat_interleave(BEAM, 0), mask.repeat_interleave(BEAM, 0)
+    tokens = torch.full((n * BEAM, 1), SP.bos_id())
+    scores = torch.zeros(n, BEAM)
+    scores[:, 1:] = -torch.inf
+    finished = [[] for _ in range(n)]
+    for t in range(1, MAX_LEN + 2):
+        hidden = MODEL.decode(tokens, memory, mask)[:, -1]
+        logprobs = torch.log_softmax(torch.nn.functional.linear(hidden, MODEL.embedding.weight), -1)
+        vocab = logprobs.shape[1]
+        candidates = (scores.view(-1, 1) + logprobs).view(n, -1)
+        top, index = candidates.topk(2 * BEAM, 1)
+        rows, next_tokens, next_scores = [], [], []
+        for s in range(n):
+            live = []
+            for j in range(2 * BEAM):
+                row, token = s * BEAM + int(index[s, j]) // vocab, int(index[s, j]) % vocab
+                if token == eos or t == MAX_LEN + 1:
+                    if j < BEAM and len(finished[s]) < BEAM:
+                        finished[s].append((float(top[s, j]) / t**ALPHA, tokens[row, 1:].tolist()))
+                elif len(live) < BEAM:
+                    live.append((row, token, float(top[s, j])))
+            if len(finished[s]) >= BEAM:
+                live = [(s * BEAM, eos, -torch.inf)] * BEAM
+            for row, token, score in live:
+                rows.append(row), next_tokens.append(token), next_scores.append(score)
+        if all(len(f) >= BEAM for f in finished):
+            break
+        tokens = torch.cat([tokens[rows], torch.tensor(next_tokens)[:, None]], 1)
+        scores = torch.tensor(next_scores).view(n, BEAM)
+    return [max(f) for f in finished]
+
+
+def ctranslate2_decoder():
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 (bench extra) missing")
+    from fastattn.ctranslate2_convert import convert
+
+    directory = tempfile.mkdtemp(prefix="fastattn-ct2-")
+    convert(MODEL, SP, directory, force=True)
+    translator = ctranslate2.Translator(directory, device="cpu", compute_type="float32",
+                                        intra_threads=torch.get_num_threads())
+
+    def decode(batch):
+        pieces = [SP.id_to_piece(ids) for ids in batch]
+        return translator.translate_batch(pieces, beam_size=BEAM, length_penalty=ALPHA,
+                                          max_decoding_length=MAX_LEN, min_decoding_length=0)
+
+    return decode
+
+
+SYSTEMS = {"fastattn": lambda: fastattn_decode, "pytorch-plain": lambda: plain_decode,
+           "ctranslate2-float32": ctranslate2_decoder}
+
+
+@pytest.mark.parametrize("batch_size", [64, 1])
+@pytest.mark.parametrize("system", list(SYSTEMS))
+def test_decoding_throughput(benchmark, system, batch_size):
+    decode = SYSTEMS[system]()
+    sources = SOURCES[: SENTENCES[batch_size]]
+    batches = [sources[i : i + batch_size] for i in range(0, len(sources), batch_size)]
+    measure(benchmark, lambda: [decode(b) for b in batches], group=f"decoding-batch{batch_size}",
+            min_rounds=2, impl=system, sentences=len(sources), beam=BEAM, length_penalty="pow",
+            alpha=ALPHA)
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_bookkeeping_per_step_batch1(benchmark, impl):
+    """One search step's bookkeeping at batch 1 (beam rows × 37000-token vocabulary), EOS kept
+    unlikely so every call does the same work."""
+    vocab, beam = 37000, BEAM
+    logprobs = torch.log_softmax(torch.randn(beam, vocab), -1)
+    logprobs[:, 3] = -1e4
+    state = (torch.full((beam, 10), 2), torch.zeros(beam), torch.zeros(1, dtype=torch.long),
+             torch.tensor([50]), torch.ones(51, dtype=torch.float64),
+             torch.zeros(1, beam, 50, dtype=torch.long), torch.zeros(1, beam),
+             torch.zeros(1, beam, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    step = torch.ops.fastattn.beam_search_step if impl == "native" else beam_search_step_python
+    measure(benchmark, lambda: step(logprobs, *state, 3, 1), group="beam-bookkeeping-batch1",
+            impl=impl)
