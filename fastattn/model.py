@@ -160,7 +160,7 @@ class Embedding(nn.Module):
     def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
         """tokens (B, L) -> (B, L, d_model), the first token at position `start`."""
         x = F.embedding(tokens, self.weight) * self.scale + self.positions(start, tokens.shape[1])
-        return F.dropout(x, self.dropout, self.training)
+        return ops.dropout(x, self.dropout, self.training)
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -289,7 +289,7 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.dropout(F.relu(self.w1(x)), self.dropout, self.training))
+        return self.w2(ops.dropout(F.relu(self.w1(x)), self.dropout, self.training))
 
 
 class AddNorm(nn.Module):
@@ -304,7 +304,7 @@ class AddNorm(nn.Module):
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if self.pre_norm:
             y = sublayer(F.layer_norm(x, x.shape[-1:], self.norm.weight, self.norm.bias))
-            return x + F.dropout(y, self.norm.dropout, self.training)
+            return x + ops.dropout(y, self.norm.dropout, self.training)
         return self.norm(sublayer(x), x)
 
 

@@ -3,10 +3,11 @@ fastattn.kernels.<op>; the backend switch (fastattn.backend) picks the implement
 
 from fastattn.kernels.attention import attention
 from fastattn.kernels.cross_entropy import label_smoothed_cross_entropy, linear_cross_entropy
-from fastattn.kernels.layer_norm import layer_norm_residual
+from fastattn.kernels.layer_norm import dropout, layer_norm_residual
 
 __all__ = [
     "attention",
+    "dropout",
     "label_smoothed_cross_entropy",
     "layer_norm_residual",
     "linear_cross_entropy",
