@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--max-len", type=int, default=256, help="drop training pairs with a longer side")
     add(g, "--max-len-ratio", type=float, default=3.0,
         help="drop training pairs whose longer side is this many times the shorter")
-    add(g, "--max-tokens", type=int, default=6000,
+    add(g, "--max-tokens", type=int, default=16000,
         help="source + target tokens (padding included) per micro-batch per rank")
     add(g, "--seed", type=int, default=1,
         help="seeds initialisation, dropout and the batch order")
@@ -168,8 +168,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "0.3 big)")
 
     g = parser.add_argument_group("optimisation")
-    add(g, "--lr-scale", type=float, default=2.0, help="multiplies the paper's schedule")
-    add(g, "--warmup", type=int, default=1000, help="warmup updates of the schedule")
+    add(g, "--lr-scale", type=float, default=2.5, help="multiplies the paper's schedule")
+    add(g, "--warmup", type=int, default=2000, help="warmup updates of the schedule")
     add(g, "--adam-betas", type=float, nargs=2, default=(0.9, 0.98), help="Adam's β1 β2")
     add(g, "--adam-eps", type=float, default=1e-9, help="Adam's ε")
     add(g, "--label-smoothing", type=float, default=0.1, help="ε_ls of the loss")
@@ -177,7 +177,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="micro-batches accumulated per update (the paper's ~50k tokens per update on one "
         "GPU: --max-tokens 6250 --update-freq 8)")
     add(g, "--clip-norm", type=float, default=0.0, help="clip the gradient norm (0: off)")
-    add(g, "--max-updates", type=int, default=10000, help="stop after this many updates")
+    add(g, "--max-updates", type=int, default=8000, help="stop after this many updates")
     add(g, "--max-epochs", type=int, default=0, help="stop after this many epochs (0: no limit)")
     add(g, "--max-bad-steps", type=int, default=10,
         help="stop after this many consecutive updates with NaN/inf gradients")
@@ -190,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = parser.add_argument_group("checkpoints")
     add(g, "--save-dir", default="checkpoints/{data}-{src}-{tgt}",
         help="checkpoint directory ({data}, {src}, {tgt} are filled in)")
-    add(g, "--save-every", type=int, default=200, help="save every N updates (0: off)")
+    add(g, "--save-every", type=int, default=100, help="save every N updates (0: off)")
     add(g, "--save-every-minutes", type=float, default=0.0, help="also save every M minutes")
     add(g, "--keep", type=int, default=10, help="numbered checkpoints to keep")
     add(g, "--resume", action="store_true", help="continue from the newest checkpoint in "
