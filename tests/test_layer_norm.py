@@ -10,7 +10,7 @@ from fastattn.kernels.layer_norm import (
     forward_bytes,
     layer_norm_residual_reference,
 )
-from fastattn.ops import layer_norm_residual
+from fastattn.ops import dropout, layer_norm_residual
 
 ROWS = (3, 2)  # leading dims, flattened to 6 rows: small for the interpreter
 
@@ -134,6 +134,21 @@ def test_dropout_reproducible_under_manual_seed():
     torch.manual_seed(8)
     c = layer_norm_residual(x, r, None, None, dropout_p=0.4)
     assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_standalone_dropout(dtype):
+    """ops.dropout (the model's embedding and activation dropout): kept entries scaled by
+    1 / (1 - p), the rest zero, about 1 - p kept, gradient = keep / (1 - p) times grad_output."""
+    x = (torch.rand(64, 1024) + 1.0).to(dtype).requires_grad_()  # never zero: zeros = dropped
+    y = dropout(x, 0.3)
+    keep = y != 0
+    assert y.dtype == dtype and abs(keep.float().mean().item() - 0.7) < 0.01
+    torch.testing.assert_close(y[keep], (x[keep].double() / 0.7).to(dtype))
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    torch.testing.assert_close(x.grad, (grad_out.double() * keep / 0.7).to(dtype))
+    assert dropout(x, 0.3, training=False) is x and dropout(x, 0.0) is x
 
 
 def test_widest_supported_row():
