@@ -534,6 +534,10 @@ class DecodingState:
         self.capacity = capacity
         self.self_k: Tensor | None = None
         self.self_v: Tensor | None = None
+        # reorder() gathers into these and swaps: fresh multi-megabyte buffers every step cost
+        # more in page faults than the copy itself.
+        self._spare_k: Tensor | None = None
+        self._spare_v: Tensor | None = None
         self.sentences: Tensor | None = None
         self.length = 0
 
@@ -566,8 +570,10 @@ class DecodingState:
             raise RuntimeError("reorder before the first decode_step: there are no rows yet")
         rows = rows.to(self.self_k.device)
         sentences = self._sentence_of_rows().index_select(0, rows)
-        self.self_k, self.self_v = (_take_rows(c, rows, self.length)
-                                    for c in (self.self_k, self.self_v))
+        self.self_k, self._spare_k = (_take_rows(self.self_k, rows, self.length, self._spare_k),
+                                      self.self_k)
+        self.self_v, self._spare_v = (_take_rows(self.self_v, rows, self.length, self._spare_v),
+                                      self.self_v)
         live, sentences = torch.unique(sentences, return_inverse=True)
         if len(live) < self.num_sentences:  # finished sentences leave the batch
             self.memory_k = [k.index_select(0, live) for k in self.memory_k]
@@ -592,10 +598,14 @@ def _unless_all_true(mask: Tensor) -> Tensor | None:
     return None if bool(mask.all()) else mask
 
 
-def _take_rows(cache: Tensor, rows: Tensor, length: int) -> Tensor:
+def _take_rows(cache: Tensor, rows: Tensor, length: int, spare: Tensor | None) -> Tensor:
     """cache (layers, N, h, capacity, d) -> (layers, N', h, capacity, d) with row j = old row
-    rows[j]; only the first `length` positions are copied."""
-    out = cache.new_empty((cache.shape[0], len(rows), *cache.shape[2:]))
+    rows[j]; only the first `length` positions are copied, into the first N' rows of `spare`
+    when it has the room."""
+    if spare is not None and spare.shape[1] >= len(rows) and spare.shape[3] == cache.shape[3]:
+        out = spare[:, : len(rows)]
+    else:
+        out = cache.new_empty((cache.shape[0], len(rows), *cache.shape[2:]))
     torch.index_select(cache[:, :, :, :length], 1, rows, out=out[:, :, :, :length])
     return out
 
