@@ -185,6 +185,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     return ops.attention(q, k, v, scale=d_k**-0.5, **kwargs)[..., :d_v]
 
 
+def step_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
+    """Attention (eq. 1) for the few queries of a decoding step over cached keys, as the explicit
+    product: its scores are a handful of rows, and at this size the fused op's checks and
+    dispatch cost more than the arithmetic. bias: additive (0 or -inf), broadcastable."""
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
+    if bias is not None:
+        scores = scores + bias
+    return torch.matmul(scores.softmax(dim=-1), v)
+
+
 def attention_probabilities(q: Tensor, k: Tensor, mask: Tensor | None = None,
                             causal: bool = False) -> Tensor:
     """The weights softmax(Q K^T / √d_k) of eq. 1, (B, h, Lq, Lk), for inspection and plots."""
@@ -228,7 +238,7 @@ class SelfAttention(nn.Module):
         cache_k[:, :, t] = k.view(n, self.heads, -1)
         cache_v[:, :, t] = v.view(n, self.heads, -1)
         q = q.view(n, self.heads, 1, -1)
-        out = attention(q, cache_k[:, :, : t + 1], cache_v[:, :, : t + 1])
+        out = step_attention(q, cache_k[:, :, : t + 1], cache_v[:, :, : t + 1])
         return F.linear(out.view(n, -1), self.out.weight, self.out.bias)
 
 
@@ -261,12 +271,12 @@ class CrossAttention(nn.Module):
         k, _ = self.memory_kv(memory)
         return attention_probabilities(split_heads(self.q(x), self.heads), k, memory_mask)
 
-    def step(self, x: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sentences: Tensor | None,
+    def step(self, x: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sentences: Tensor | None,
              ) -> Tensor:
         """One decoding step for x (N, d_model) over per-sentence keys k (B, h, S, d_k), values
-        and mask (B, 1, 1, S). Rows grouped by sentence (sentences=None, N = B·r) attend as r
-        queries of their sentence, with no copy of k and v; otherwise row i reads sentence
-        sentences[i]."""
+        and additive padding bias (B, 1, 1, S). Rows grouped by sentence (sentences=None,
+        N = B·r) attend as r queries of their sentence, with no copy of k and v; otherwise row i
+        reads sentence sentences[i]."""
         n = x.shape[0]
         q = F.linear(x, self.q.weight, self.q.bias)
         if sentences is None:
@@ -274,8 +284,8 @@ class CrossAttention(nn.Module):
         else:
             q = q.view(n, self.heads, 1, -1)
             k, v = k[sentences], v[sentences]
-            mask = None if mask is None else mask[sentences]
-        out = attention(q, k, v, attn_mask=mask)
+            bias = None if bias is None else bias[sentences]
+        out = step_attention(q, k, v, bias)
         return F.linear(out.transpose(1, 2).reshape(n, -1), self.out.weight, self.out.bias)
 
 
@@ -348,7 +358,7 @@ class DecoderLayer(nn.Module):
         k, v = state.self_k[layer], state.self_v[layer]
         x = self.self_attention_norm(x, lambda h: self.self_attention.step(h, k, v, state.length))
         x = self.cross_attention_norm(x, lambda h: self.cross_attention.step(
-            h, state.memory_k[layer], state.memory_v[layer], state.memory_mask, state.sentences))
+            h, state.memory_k[layer], state.memory_v[layer], state.memory_bias, state.sentences))
         return self.feed_forward_norm(x, self.feed_forward)
 
 
@@ -521,7 +531,8 @@ class Transformer(nn.Module):
 
 class DecodingState:
     """What decode_step keeps between positions: per decoder layer the encoder keys and values
-    (B, h, S, d) of each live sentence, their mask (B, 1, 1, S) (None without padding), and the
+    (B, h, S, d) of each live sentence, their padding as an additive bias (B, 1, 1, S) (None
+    without padding), and the
     self-attention caches self_k (layers, N, h, capacity, d_k) and self_v for the N rows,
     filled up to `length`.
     `sentences` is None while the rows are grouped by sentence in memory order, r rows each
@@ -530,7 +541,7 @@ class DecodingState:
     def __init__(self, memory_k: list[Tensor], memory_v: list[Tensor], memory_mask: Tensor,
                  capacity: int) -> None:
         self.memory_k, self.memory_v = memory_k, memory_v
-        self.memory_mask = _unless_all_true(memory_mask)
+        self.memory_bias = _padding_bias(memory_mask, memory_k[0].dtype if memory_k else None)
         self.capacity = capacity
         self.self_k: Tensor | None = None
         self.self_v: Tensor | None = None
@@ -578,8 +589,8 @@ class DecodingState:
         if len(live) < self.num_sentences:  # finished sentences leave the batch
             self.memory_k = [k.index_select(0, live) for k in self.memory_k]
             self.memory_v = [v.index_select(0, live) for v in self.memory_v]
-            if self.memory_mask is not None:
-                self.memory_mask = _unless_all_true(self.memory_mask.index_select(0, live))
+            if self.memory_bias is not None:
+                self.memory_bias = self.memory_bias.index_select(0, live)
         per_sentence = len(rows) // len(live)
         grouped = torch.arange(len(live), device=rows.device).repeat_interleave(per_sentence)
         is_grouped = len(grouped) == len(rows) and torch.equal(grouped, sentences)
@@ -593,9 +604,12 @@ class DecodingState:
         return torch.arange(self.num_sentences, device=device).repeat_interleave(per_sentence)
 
 
-def _unless_all_true(mask: Tensor) -> Tensor | None:
-    """None for a padding mask without padding: attention then skips masking altogether."""
-    return None if bool(mask.all()) else mask
+def _padding_bias(mask: Tensor, dtype: torch.dtype | None) -> Tensor | None:
+    """A bool padding mask (True = attend) as 0 / -inf to add to the scores; None without
+    padding, so that attention skips masking altogether."""
+    if bool(mask.all()):
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
 
 
 def _take_rows(cache: Tensor, rows: Tensor, length: int, spare: Tensor | None) -> Tensor:

@@ -129,7 +129,7 @@ def test_decoding_one_row_per_sentence_then_beams(lengths):
     model = make_model()
     src = pad_after(tokens(2, 5), lengths)
     state = model.start_decoding(src)
-    assert (state.memory_mask is None) == (lengths == [5, 5])
+    assert (state.memory_bias is None) == (lengths == [5, 5])
     bos = torch.ones(2, dtype=torch.long)
     model.decode_step(bos, state)
     state.reorder(torch.tensor([0, 0, 0, 1, 1, 1]))
