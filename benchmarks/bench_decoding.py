@@ -4,14 +4,17 @@ fastattn.ctranslate2_convert) and against a plain PyTorch beam search that re-ru
 the whole prefix every step (no cache) and keeps finished sentences in the batch; batch 64 and
 batch 1 on Multi30k test2016 sources. Also the per-step bookkeeping of native against python.
 
-The model: FASTATTN_BENCH_CHECKPOINT if set, else a random `tiny`-shaped model (outputs then run
-to max_len: the throughput is comparable, the translations meaningless). Ratios come from one run.
+The model: FASTATTN_BENCH_CHECKPOINT if set, else the default run's final checkpoint
+(checkpoints/multi30k-en-de/checkpoint_final.pt, from `./run train`) if present, else a random
+model of the same shape (`multi30k` preset, 8000 pieces; outputs then run to max_len: the
+throughput is comparable, the translations meaningless). Ratios come from one run.
 """
 
 from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,19 +27,24 @@ BEAM, ALPHA, MAX_LEN = 4, 0.6, 40
 SENTENCES = {64: 8 if QUICK else 64, 1: 2 if QUICK else 8}
 
 
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / \
+    "multi30k-en-de" / "checkpoint_final.pt"
+
+
 def load():
-    path = os.environ.get("FASTATTN_BENCH_CHECKPOINT")
+    path = os.environ.get("FASTATTN_BENCH_CHECKPOINT") or (
+        DEFAULT_CHECKPOINT if DEFAULT_CHECKPOINT.exists() else None)
     if path:
         from fastattn.checkpoint import load_model
 
         model, sp, _ = load_model(path)
-        return model, sp
+        return model.eval(), sp
     from fastattn.model import Transformer
 
-    text = data.load_multi30k("val", "en", "de")
-    sp = data.load_sentencepiece(data.train_sentencepiece(list(text.src) + list(text.tgt), 1000))
+    text = data.load_multi30k("train", "en", "de")
+    sp = data.load_sentencepiece(data.train_sentencepiece(list(text.src) + list(text.tgt), 8000))
     torch.manual_seed(0)
-    return Transformer.from_preset("tiny", vocab_size=1000, dropout=0.0).eval(), sp
+    return Transformer.from_preset("multi30k", vocab_size=8000, dropout=0.0).eval(), sp
 
 
 MODEL, SP = load()
