@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "beam_search.h"
+#include "decode_attention.h"
 
 TORCH_LIBRARY_FRAGMENT(fastattn, m) {
   m.def(
@@ -11,9 +12,13 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "Tensor max_len, Tensor penalty, Tensor(a!) finished_tokens, Tensor(b!) finished_scores, "
       "Tensor(c!) finished_lengths, Tensor(d!) finished_count, int eos_id, int nbest) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fastattn, CPU, m) { m.impl("beam_search_step", &fastattn::beam_search_step_cpu); }
+TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
+  m.impl("beam_search_step", &fastattn::beam_search_step_cpu);
+  m.impl("decode_attention", &fastattn::decode_attention_cpu);
+}
 
 #ifdef FASTATTN_WITH_CUDA
 TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {

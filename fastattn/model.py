@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastattn import ops
+from fastattn._native import native
 from fastattn.modules import ResidualLayerNorm
 
 __all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
@@ -185,11 +186,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     return ops.attention(q, k, v, scale=d_k**-0.5, **kwargs)[..., :d_v]
 
 
+_NATIVE_STEP_ATTENTION = native is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+    "fastattn::decode_attention", "CPU")
+
+
 def step_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Attention (eq. 1) for the few queries of a decoding step over cached keys, as the explicit
-    product: its scores are a handful of rows, and at this size the fused op's checks and
-    dispatch cost more than the arithmetic. bias: additive (0 or -inf), broadcastable."""
-    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
+    """Attention (eq. 1) for a decoding step: q (G, h, R, d_k), the R query rows of group g over
+    its keys k (G, h, L, d_k) and values v (G, h, L, d_v), bias (G, 1, 1, L) additive (0 or -inf)
+    or None. Its scores are a handful of rows, where the fused training op's checks and dispatch
+    cost more than the arithmetic: on CPU it is one call into fastattn._C (float32, float64),
+    elsewhere the explicit product."""
+    scale = q.shape[-1] ** -0.5
+    if _NATIVE_STEP_ATTENTION and q.device.type == "cpu" and q.dtype in (torch.float32,
+                                                                         torch.float64):
+        flat_bias = None if bias is None else bias.view(bias.shape[0], -1)
+        return torch.ops.fastattn.decode_attention(q, k, v, flat_bias, scale)
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))
     if bias is not None:
         scores = scores + bias
     return torch.matmul(scores.softmax(dim=-1), v)
