@@ -1,11 +1,13 @@
 """DistributedDataParallel training on gloo: one update at world size 2 equals one update on the
 same total batch in a single process; and torchrun runs python -m fastattn.train end to end."""
 
+import gc
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -45,24 +47,38 @@ def sgd(model):
     return torch.optim.SGD(model.parameters(), lr=1.0)
 
 
+def one_update(rank, out):
+    src, tgt, parts = shards()
+    model = make_model()
+    trainer = DistributedDataParallel(LossModule(model))
+    result = train_step(trainer, sgd(model), [data.collate(src, tgt, parts[rank])])
+    if rank == 0:
+        torch.save({"params": [p.detach() for p in model.parameters()],
+                    "loss": result.loss, "tokens": result.tokens}, out)
+
+
 def worker(rank, world, rendezvous, out):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
-        src, tgt, parts = shards()
-        model = make_model()
-        trainer = DistributedDataParallel(LossModule(model))
-        result = train_step(trainer, sgd(model), [data.collate(src, tgt, parts[rank])])
-        if rank == 0:
-            torch.save({"params": [p.detach() for p in model.parameters()],
-                        "loss": result.loss, "tokens": result.tokens}, out)
+        one_update(rank, out)
+        # DDP's reducer is freed by now, while the process group is registered (as train.py
+        # does): freed after it, its gloo destructor joins threads that wait for the GIL.
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
 
 def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
     out = tmp_path / "rank0.pt"
-    mp.spawn(worker, args=(2, f"file://{tmp_path / 'rendezvous'}", str(out)), nprocs=2)
+    ranks = mp.spawn(worker, args=(2, f"file://{tmp_path / 'rendezvous'}", str(out)), nprocs=2,
+                     join=False)
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two gloo ranks did not exit within 300 s (teardown hang)")
     distributed = torch.load(out)
 
     src, tgt, _ = shards()
