@@ -14,7 +14,7 @@ import torch
 
 from fastattn import checkpoint, data
 from fastattn.model import PRESETS, Transformer
-from fastattn.train import LossModule, learning_rate, parse_args, train_step
+from fastattn.train import LossModule, learning_rate, parse_args, pick_precision, train_step
 
 
 def test_learning_rate_schedule():
@@ -100,6 +100,16 @@ def test_clipping_bounds_the_update():
     moved = torch.nn.utils.parameters_to_vector(model.parameters()).detach() - before
     assert result.grad_norm > 0.01  # the norm before clipping is reported
     assert float(moved.norm()) == pytest.approx(0.01, rel=1e-4)
+
+
+@pytest.mark.parametrize("has_bf16", [True, False])
+def test_auto_precision_on_cpu_follows_the_hardware(monkeypatch, has_bf16):
+    """bf16 autocast only where the CPU has bf16 instructions: elsewhere bf16 matmuls take a
+    generic path far slower than fp32."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: has_bf16)
+    dtype, scaled = pick_precision("auto", torch.device("cpu"))
+    assert dtype == (torch.bfloat16 if has_bf16 else None) and not scaled
+    assert pick_precision("bf16", torch.device("cpu")) == (torch.bfloat16, False)
 
 
 @pytest.mark.parametrize(
