@@ -12,12 +12,19 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "Tensor max_len, Tensor penalty, Tensor(a!) finished_tokens, Tensor(b!) finished_scores, "
       "Tensor(c!) finished_lengths, Tensor(d!) finished_count, int eos_id, int nbest) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
-  m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
+  m.def(
+      "decode_attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale, "
+      "Tensor? rows=None) -> Tensor");
+  m.def(
+      "decoder_step(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, "
+      "Tensor history, int length, Tensor[] memory_k, Tensor[] memory_v, Tensor? memory_bias, "
+      "Tensor? sentences, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("beam_search_step", &fastattn::beam_search_step_cpu);
   m.impl("decode_attention", &fastattn::decode_attention_cpu);
+  m.impl("decoder_step", &fastattn::decoder_step_cpu);
 }
 
 #ifdef FASTATTN_WITH_CUDA

@@ -1,5 +1,6 @@
-// One decoding step's attention on CPU: for each (group, head), every query row makes one pass
-// over the cached keys (scores, running max) and one over the values (weights, weighted sum).
+// Decoding on CPU. Attention: for each (group, head), every query row makes one pass over the
+// cached keys (scores, running max) and one over the values (weights, weighted sum). The decoder
+// step chains the post-norm layers with ATen's matmuls and these loops, in one call.
 #include "decode_attention.h"
 
 #include <ATen/ATen.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -23,10 +25,14 @@ namespace {
 #define FASTATTN_CLONES
 #endif
 
+// The loops below are inlined into one cloned function per query row (attend_query): a call
+// through the clones' dispatch for every key would cost more than its arithmetic.
+#define FASTATTN_INLINE inline __attribute__((always_inline))
+
 // q · k over n elements, in 16 independent partial sums so that the loop vectorises without
 // reassociating one running sum (which -O3 alone may not do for floating point).
 template <typename scalar_t>
-FASTATTN_CLONES scalar_t dot(const scalar_t *q, const scalar_t *k, int64_t n) {
+FASTATTN_INLINE scalar_t dot(const scalar_t *q, const scalar_t *k, int64_t n) {
   constexpr int64_t kLanes = 16;
   scalar_t partial[kLanes] = {};
   int64_t d = 0;
@@ -40,62 +46,167 @@ FASTATTN_CLONES scalar_t dot(const scalar_t *q, const scalar_t *k, int64_t n) {
 
 // o += w · v over n elements.
 template <typename scalar_t>
-FASTATTN_CLONES void axpy(scalar_t w, const scalar_t *v, scalar_t *o, int64_t n) {
+FASTATTN_INLINE void axpy(scalar_t w, const scalar_t *v, scalar_t *o, int64_t n) {
   for (int64_t d = 0; d < n; ++d) o[d] += w * v[d];
 }
 
+// x = LayerNorm(x + y) · weight + bias over each of the n rows of width d (all contiguous).
 template <typename scalar_t>
-void decode_attention_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-                             const at::Tensor *bias, scalar_t scale, at::Tensor &out) {
-  const int64_t G = q.size(0), H = q.size(1), R = q.size(2), Dk = q.size(3);
-  const int64_t L = k.size(2), Dv = v.size(3);
+FASTATTN_CLONES void add_layer_norm_rows(scalar_t *x, const scalar_t *y, const scalar_t *weight,
+                                         const scalar_t *bias, int64_t n, int64_t d,
+                                         scalar_t eps) {
+  for (int64_t i = 0; i < n; ++i) {
+    scalar_t *xi = x + i * d;
+    const scalar_t *yi = y + i * d;
+    scalar_t mean = 0;
+    for (int64_t c = 0; c < d; ++c) mean += (xi[c] += yi[c]);
+    mean /= d;
+    scalar_t var = 0;
+    for (int64_t c = 0; c < d; ++c) var += (xi[c] - mean) * (xi[c] - mean);
+    const scalar_t rstd = scalar_t(1) / std::sqrt(var / d + eps);
+    for (int64_t c = 0; c < d; ++c) xi[c] = (xi[c] - mean) * rstd * weight[c] + bias[c];
+  }
+}
+
+void add_layer_norm_(at::Tensor &x, const at::Tensor &y, const at::Tensor &weight,
+                     const at::Tensor &bias, double eps) {
+  const auto yc = y.contiguous();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "add_layer_norm", [&] {
+    add_layer_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), yc.data_ptr<scalar_t>(),
+                                  weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
+                                  x.size(0), x.size(1), static_cast<scalar_t>(eps));
+  });
+}
+
+// p[j] = exp(p[j]) for p[j] <= 0 (scores minus their maximum), returning the sum. float uses a
+// vectorisable exp, 2^k · e^r with k = round(x / ln 2), |r| <= ln(2) / 2 and e^r by its Taylor
+// polynomial to r^7 (relative error below 2^-23); std::exp compiles to a scalar call per score,
+// which costs more than the dot products of a short decoding prefix.
+template <typename scalar_t>
+FASTATTN_INLINE scalar_t exp_and_sum(scalar_t *p, int64_t n) {
+  scalar_t sum = 0;
+  for (int64_t j = 0; j < n; ++j) sum += (p[j] = std::exp(p[j]));
+  return sum;
+}
+
+template <>
+FASTATTN_INLINE float exp_and_sum<float>(float *p, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float x = std::max(p[j], -87.0f);  // e^-87 is near FLT_MIN: 2^k stays a normal float
+    const int32_t k = -static_cast<int32_t>(x * -1.44269504f + 0.5f);  // round(x / ln 2), x <= 0
+    const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+    float e = 1.0f / 5040;
+    e = e * r + 1.0f / 720;
+    e = e * r + 1.0f / 120;
+    e = e * r + 1.0f / 24;
+    e = e * r + 1.0f / 6;
+    e = e * r + 0.5f;
+    e = e * r + 1.0f;
+    e = e * r + 1.0f;
+    const int32_t bits = (k + 127) << 23;
+    float two_k;
+    std::memcpy(&two_k, &bits, sizeof two_k);
+    p[j] = static_cast<float>(p[j] >= -87.0f) * (e * two_k);  // masked keys (-inf) weigh 0
+  }
+  constexpr int64_t kLanes = 16;  // independent partial sums, as in dot
+  float partial[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) partial[l] += p[j + l];
+  float sum = 0;
+  for (; j < n; ++j) sum += p[j];
+  for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
+  return sum;
+}
+
+// o = softmax_j(q · keys[j] * scale + biases[j]) values[j] for one query row; p is scratch for
+// the L scores. A row whose every score is -inf reads zeros.
+template <typename scalar_t>
+FASTATTN_CLONES void attend_query(const scalar_t *q, const scalar_t *const *keys,
+                                  const scalar_t *const *values, const scalar_t *biases,
+                                  int64_t L, int64_t Dk, int64_t Dv, scalar_t scale, scalar_t *p,
+                                  scalar_t *o) {
+  scalar_t max = -std::numeric_limits<scalar_t>::infinity();
+  for (int64_t j = 0; j < L; ++j) {
+    p[j] = dot(q, keys[j], Dk) * scale + (biases ? biases[j] : scalar_t(0));
+    max = std::max(max, p[j]);
+  }
+  for (int64_t d = 0; d < Dv; ++d) o[d] = 0;
+  if (max == -std::numeric_limits<scalar_t>::infinity()) return;
+  for (int64_t j = 0; j < L; ++j) p[j] -= max;
+  const scalar_t inv = scalar_t(1) / exp_and_sum(p, L);
+  for (int64_t j = 0; j < L; ++j) axpy(p[j] * inv, values[j], o, Dv);
+}
+
+template <typename scalar_t>
+void attend_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                   const at::Tensor *bias, scalar_t scale, const at::Tensor *rows, int64_t L,
+                   at::Tensor &out) {
+  const int64_t G = q.size(0), H = q.size(1), R = q.size(2), Dk = q.size(3), Dv = v.size(3);
   const scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>();
   const scalar_t *vp = v.data_ptr<scalar_t>();
   const scalar_t *bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
+  const int64_t *rp = rows ? rows->data_ptr<int64_t>() : nullptr;
   scalar_t *op = out.data_ptr<scalar_t>();
   const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
   const int64_t bs0 = bias ? bias->stride(0) : 0, bs1 = bias ? bias->stride(1) : 0;
+  const int64_t rs0 = rows ? rows->stride(0) : 0, rs1 = rows ? rows->stride(1) : 0;
   // Threads only pay off with some work per task: about 64k multiply-adds.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, R * L * (Dk + Dv)));
   at::parallel_for(0, G * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> p(L);
+    std::vector<scalar_t> p(L), biases(bp ? L : 0);
+    std::vector<const scalar_t *> keys(L), values(L);
     for (int64_t gh = begin; gh < end; ++gh) {
       const int64_t g = gh / H, h = gh % H;
-      const scalar_t *kg = kp + g * ks[0] + h * ks[1];
-      const scalar_t *vg = vp + g * vs[0] + h * vs[1];
+      for (int64_t j = 0; j < L; ++j) {
+        const int64_t source = rp ? rp[g * rs0 + j * rs1] : g;
+        keys[j] = kp + source * ks[0] + h * ks[1] + j * ks[2];
+        values[j] = vp + source * vs[0] + h * vs[1] + j * vs[2];
+        if (bp) biases[j] = bp[source * bs0 + j * bs1];
+      }
       for (int64_t r = 0; r < R; ++r) {
-        const scalar_t *qr = qp + g * qs[0] + h * qs[1] + r * qs[2];
-        scalar_t *o = op + ((g * H + h) * R + r) * Dv;
-        scalar_t max = -std::numeric_limits<scalar_t>::infinity();
-        for (int64_t j = 0; j < L; ++j) {
-          const scalar_t *kj = kg + j * ks[2];
-          scalar_t s = dot(qr, kj, Dk) * scale;
-          if (bp) s += bp[g * bs0 + j * bs1];
-          p[j] = s;
-          max = std::max(max, s);
-        }
-        std::fill(o, o + Dv, scalar_t(0));
-        if (max == -std::numeric_limits<scalar_t>::infinity()) continue;
-        scalar_t sum = 0;
-        for (int64_t j = 0; j < L; ++j) sum += (p[j] = std::exp(p[j] - max));
-        const scalar_t inv = scalar_t(1) / sum;
-        for (int64_t j = 0; j < L; ++j) {
-          axpy(p[j] * inv, vg + j * vs[2], o, Dv);
-        }
+        attend_query(qp + g * qs[0] + h * qs[1] + r * qs[2], keys.data(), values.data(),
+                     bp ? biases.data() : nullptr, L, Dk, Dv, scale, p.data(),
+                     op + ((g * H + h) * R + r) * Dv);
       }
     }
   });
 }
 
+// decode_attention without the checks: the decoder step's arguments are checked once.
+at::Tensor attend(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
+                  const at::Tensor *bias, double scale, const at::Tensor *rows) {
+  const int64_t L = rows ? rows->size(1) : k.size(2);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention", [&] {
+    attend_kernel<scalar_t>(q, k, v, bias, static_cast<scalar_t>(scale), rows, L, out);
+  });
+  return out;
+}
+
+void check_rows(const at::Tensor &rows, int64_t groups, int64_t keys, int64_t cache_rows,
+                const char *what) {
+  TORCH_CHECK(rows.dim() == 2 && rows.size(0) == groups && rows.size(1) <= keys &&
+                  rows.scalar_type() == at::kLong,
+              what, " must be an int64 (", groups, ", <= ", keys, ") tensor, got ", rows.sizes(),
+              " ", rows.scalar_type());
+  if (rows.numel()) {
+    const auto [lo, hi] = at::aminmax(rows);
+    TORCH_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < cache_rows, what,
+                " holds rows outside 0..", cache_rows - 1);
+  }
+}
+
 }  // namespace
 
 at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-                                const std::optional<at::Tensor> &bias, double scale) {
+                                const std::optional<at::Tensor> &bias, double scale,
+                                const std::optional<at::Tensor> &rows) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4,
               "decode_attention: q, k, v must be 4-D (G, H, R or L, D), got ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes());
-  TORCH_CHECK(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3) &&
-                  v.sizes().slice(0, 3) == k.sizes().slice(0, 3),
+  TORCH_CHECK((rows || k.size(0) == q.size(0)) && k.size(1) == q.size(1) &&
+                  k.size(3) == q.size(3) && v.sizes().slice(0, 3) == k.sizes().slice(0, 3),
               "decode_attention: q ", q.sizes(), ", k ", k.sizes(), " and v ", v.sizes(),
               " must be (G, H, R, Dk), (G, H, L, Dk) and (G, H, L, Dv)");
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
@@ -103,18 +214,95 @@ at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const 
               "decode_attention: q, k, v must all be float32 or all float64");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "decode_attention: q, k, v need a unit stride in the last dimension");
+  if (rows) check_rows(*rows, q.size(0), k.size(2), k.size(0), "decode_attention: rows");
+  const int64_t L = rows ? rows->size(1) : k.size(2);
   if (bias) {
-    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == k.size(0) && bias->size(1) == k.size(2) &&
+    TORCH_CHECK(bias->dim() == 2 && bias->size(0) == k.size(0) && bias->size(1) >= L &&
                     bias->scalar_type() == q.scalar_type(),
-                "decode_attention: bias must be (G, L) = (", k.size(0), ", ", k.size(2),
+                "decode_attention: bias must be (P, L) = (", k.size(0), ", ", L,
                 ") in q's dtype, got ", bias->sizes(), " ", bias->scalar_type());
   }
-  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention", [&] {
-    decode_attention_kernel<scalar_t>(q, k, v, bias ? &*bias : nullptr,
-                                      static_cast<scalar_t>(scale), out);
-  });
-  return out;
+  return attend(q, k, v, bias ? &*bias : nullptr, scale, rows ? &*rows : nullptr);
+}
+
+at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at::Tensor &self_k,
+                            const at::Tensor &self_v, const at::Tensor &history, int64_t length,
+                            at::TensorList memory_k, at::TensorList memory_v,
+                            const std::optional<at::Tensor> &memory_bias,
+                            const std::optional<at::Tensor> &sentences, double eps) {
+  constexpr int64_t kPerLayer = 18;
+  TORCH_CHECK(self_k.dim() == 5 && self_v.dim() == 5 &&
+                  self_v.sizes().slice(0, 4) == self_k.sizes().slice(0, 4),
+              "decoder_step: self_k and self_v must be (layers, rows, H, capacity, D), got ",
+              self_k.sizes(), " and ", self_v.sizes());
+  const int64_t layers = self_k.size(0), H = self_k.size(2), Dk = self_k.size(4);
+  const int64_t Dv = self_v.size(4);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) <= self_k.size(1),
+              "decoder_step: x must be (N, d) with N <= the caches' ", self_k.size(1),
+              " rows, got ", x.sizes());
+  const int64_t N = x.size(0);
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == kPerLayer * layers &&
+                  static_cast<int64_t>(memory_k.size()) == layers &&
+                  static_cast<int64_t>(memory_v.size()) == layers,
+              "decoder_step: need ", kPerLayer, " parameters and one memory_k, memory_v per "
+              "layer for ", layers, " layers, got ", params.size(), ", ", memory_k.size(), ", ",
+              memory_v.size());
+  TORCH_CHECK(0 <= length && length < self_k.size(3), "decoder_step: position ", length,
+              " is outside the caches' capacity ", self_k.size(3));
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
+                  x.scalar_type() == self_k.scalar_type() &&
+                  x.scalar_type() == self_v.scalar_type(),
+              "decoder_step: x and the caches must all be float32 or all float64");
+  TORCH_CHECK(history.dim() == 2 && history.size(1) > length,
+              "decoder_step: history must be (N, > ", length, "), got ", history.sizes());
+  check_rows(history.narrow(1, 0, length + 1), N, length + 1, self_k.size(1),
+             "decoder_step: history");
+  const int64_t B = memory_k[0].size(0), S = memory_k[0].size(2);
+  TORCH_CHECK(sentences || (B > 0 && N % B == 0), "decoder_step: ", N,
+              " rows are not grouped evenly over ", B, " sentences; pass sentences");
+  if (sentences) check_rows(sentences->unsqueeze(1), N, 1, B, "decoder_step: sentences");
+  if (memory_bias) {
+    TORCH_CHECK(memory_bias->dim() == 2 && memory_bias->size(0) == B &&
+                    memory_bias->size(1) == S,
+                "decoder_step: memory_bias must be (", B, ", ", S, "), got ",
+                memory_bias->sizes());
+  }
+  const double scale = 1.0 / std::sqrt(static_cast<double>(Dk));
+  const auto rows = history.narrow(1, 0, length + 1);
+  const auto memory_rows =
+      sentences ? std::optional<at::Tensor>(sentences->unsqueeze(1).expand({N, S})) : std::nullopt;
+  const at::Tensor *bias = memory_bias ? &*memory_bias : nullptr;
+
+  at::Tensor y = x.contiguous().clone();
+  for (int64_t l = 0; l < layers; ++l) {
+    const at::Tensor *p = &params[kPerLayer * l];
+    // Masked self-attention over this row's prefix, read through `history`.
+    const auto qkv = at::linear(y, p[0], p[1]);
+    const auto q = qkv.narrow(1, 0, H * Dk).view({N, H, 1, Dk});
+    self_k[l].narrow(0, 0, N).select(2, length).copy_(
+        qkv.narrow(1, H * Dk, H * Dk).view({N, H, Dk}));
+    self_v[l].narrow(0, 0, N).select(2, length).copy_(
+        qkv.narrow(1, 2 * H * Dk, H * Dv).view({N, H, Dv}));
+    const auto a = attend(q, self_k[l], self_v[l], nullptr, scale, &rows);
+    add_layer_norm_(y, at::linear(a.view({N, H * Dv}), p[2], p[3]), p[4], p[5], eps);
+    // Attention over the encoder output: rows grouped by sentence are that sentence's queries.
+    const auto cq = at::linear(y, p[6], p[7]);
+    at::Tensor c;
+    if (memory_rows) {
+      c = attend(cq.view({N, H, 1, Dk}), memory_k[l], memory_v[l], bias, scale, &*memory_rows)
+              .view({N, H * Dv});
+    } else {
+      c = attend(cq.view({B, N / B, H, Dk}).transpose(1, 2), memory_k[l], memory_v[l], bias,
+                 scale, nullptr)
+              .transpose(1, 2)
+              .reshape({N, H * Dv});
+    }
+    add_layer_norm_(y, at::linear(c, p[8], p[9]), p[10], p[11], eps);
+    // Feed-forward network.
+    auto hidden = at::linear(y, p[12], p[13]);
+    add_layer_norm_(y, at::linear(hidden.relu_(), p[14], p[15]), p[16], p[17], eps);
+  }
+  return y;
 }
 
 }  // namespace fastattn

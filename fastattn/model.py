@@ -186,8 +186,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     return ops.attention(q, k, v, scale=d_k**-0.5, **kwargs)[..., :d_v]
 
 
-_NATIVE_STEP_ATTENTION = native is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-    "fastattn::decode_attention", "CPU")
+def _has_native_cpu_op(name: str) -> bool:
+    return native is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        f"fastattn::{name}", "CPU")
+
+
+_NATIVE_STEP_ATTENTION = _has_native_cpu_op("decode_attention")
+_NATIVE_DECODER_STEP = _has_native_cpu_op("decoder_step")
 
 
 def step_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -242,15 +247,17 @@ class SelfAttention(nn.Module):
         q, k, _ = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
         return attention_probabilities(q, k, mask, causal)
 
-    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, t: int) -> Tensor:
-        """One decoding step: x (N, d_model) at position t; stores its key and value at t in the
-        caches (N, h, capacity, d) and attends to positions 0..t -> (N, d_model)."""
+    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, history: Tensor) -> Tensor:
+        """One decoding step: x (N, d_model) at position t = history.shape[1] - 1; stores its
+        key and value in cache row n (caches (rows, h, capacity, d)) at t and attends to row n's
+        positions j <= t, held by cache rows history[n, j] -> (N, d_model)."""
         q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(self.split, dim=-1)
-        n = x.shape[0]
-        cache_k[:, :, t] = k.view(n, self.heads, -1)
-        cache_v[:, :, t] = v.view(n, self.heads, -1)
+        n, t = x.shape[0], history.shape[1] - 1
+        cache_k[:n, :, t] = k.view(n, self.heads, -1)
+        cache_v[:n, :, t] = v.view(n, self.heads, -1)
         q = q.view(n, self.heads, 1, -1)
-        out = step_attention(q, cache_k[:, :, : t + 1], cache_v[:, :, : t + 1])
+        out = step_attention(q, _gather_prefixes(cache_k, history),
+                             _gather_prefixes(cache_v, history))
         return F.linear(out.view(n, -1), self.out.weight, self.out.bias)
 
 
@@ -368,7 +375,8 @@ class DecoderLayer(nn.Module):
     def step(self, x: Tensor, state: DecodingState, layer: int) -> Tensor:
         """x (N, d_model), the newest position of every row -> (N, d_model)."""
         k, v = state.self_k[layer], state.self_v[layer]
-        x = self.self_attention_norm(x, lambda h: self.self_attention.step(h, k, v, state.length))
+        history = state.history[:, : state.length + 1]
+        x = self.self_attention_norm(x, lambda h: self.self_attention.step(h, k, v, history))
         x = self.cross_attention_norm(x, lambda h: self.cross_attention.step(
             h, state.memory_k[layer], state.memory_v[layer], state.memory_bias, state.sentences))
         return self.feed_forward_norm(x, self.feed_forward)
@@ -528,25 +536,40 @@ class Transformer(nn.Module):
         earlier positions are read from the caches, not recomputed."""
         if state.self_k is None:
             state.allocate(tokens.shape[0], self.cfg, self.embedding.weight)
-        elif tokens.shape[0] != state.self_k.shape[1]:
+        elif tokens.shape[0] != state.history.shape[0]:
             raise ValueError(f"decode_step got {tokens.shape[0]} tokens for "
-                             f"{state.self_k.shape[1]} rows; call state.reorder(rows) first")
+                             f"{state.history.shape[0]} rows; call state.reorder(rows) first")
         state.ensure_capacity(state.length + 1)
+        state.history[:, state.length] = torch.arange(tokens.shape[0], device=tokens.device)
         x = self.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
-        for i, layer in enumerate(self.decoder.layers):
-            x = layer.step(x, state, i)
-        if self.decoder.final_norm is not None:
-            x = self.decoder.final_norm(x)
+        if self._native_decoder_step(x):
+            # The whole stack in one call: a few-row step is dominated by per-op overhead.
+            x = torch.ops.fastattn.decoder_step(
+                x, state.decoder_parameters(self.decoder), state.self_k, state.self_v,
+                state.history, state.length, state.memory_k, state.memory_v,
+                None if state.memory_bias is None else state.memory_bias.flatten(1),
+                state.sentences, self.decoder.layers[0].feed_forward_norm.norm.eps)
+        else:
+            for i, layer in enumerate(self.decoder.layers):
+                x = layer.step(x, state, i)
+            if self.decoder.final_norm is not None:
+                x = self.decoder.final_norm(x)
         state.length += 1
         return torch.log_softmax(F.linear(x, self.embedding.weight).float(), dim=-1)
+
+    def _native_decoder_step(self, x: Tensor) -> bool:
+        return (_NATIVE_DECODER_STEP and not self.cfg.pre_norm and x.device.type == "cpu"
+                and x.dtype in (torch.float32, torch.float64))
 
 
 class DecodingState:
     """What decode_step keeps between positions: per decoder layer the encoder keys and values
     (B, h, S, d) of each live sentence, their padding as an additive bias (B, 1, 1, S) (None
-    without padding), and the
-    self-attention caches self_k (layers, N, h, capacity, d_k) and self_v for the N rows,
-    filled up to `length`.
+    without padding), and the self-attention caches self_k (layers, rows, h, capacity, d_k) and
+    self_v. Cache rows never move: step t writes row n's key and value into cache row n at
+    position t, and history (N, capacity) records for each row n and position j <= t the cache
+    row history[n, j] that holds it, so that beam search's reordering copies N·t indices instead
+    of the caches.
     `sentences` is None while the rows are grouped by sentence in memory order, r rows each
     (N = B·r, beam search's layout); otherwise the (N,) sentence of every row."""
 
@@ -557,12 +580,10 @@ class DecodingState:
         self.capacity = capacity
         self.self_k: Tensor | None = None
         self.self_v: Tensor | None = None
-        # reorder() gathers into these and swaps: fresh multi-megabyte buffers every step cost
-        # more in page faults than the copy itself.
-        self._spare_k: Tensor | None = None
-        self._spare_v: Tensor | None = None
+        self.history: Tensor | None = None
         self.sentences: Tensor | None = None
         self.length = 0
+        self._parameters: list[Tensor] | None = None
 
     @property
     def num_sentences(self) -> int:
@@ -577,6 +598,20 @@ class DecodingState:
         shape = (cfg.decoder_layers, rows, cfg.heads, self.capacity)
         self.self_k = like.new_empty((*shape, cfg.key_dim), dtype=dtype)
         self.self_v = like.new_empty((*shape, cfg.value_dim), dtype=dtype)
+        self.history = torch.empty(rows, self.capacity, dtype=torch.long, device=like.device)
+
+    def decoder_parameters(self, decoder: Stack) -> list[Tensor]:
+        """The decoder's weights in fastattn::decoder_step's order, gathered once per state."""
+        if self._parameters is None:
+            self._parameters = [
+                p for layer in decoder.layers
+                for module in (layer.self_attention.qkv, layer.self_attention.out,
+                               layer.self_attention_norm.norm, layer.cross_attention.q,
+                               layer.cross_attention.out, layer.cross_attention_norm.norm,
+                               layer.feed_forward.w1, layer.feed_forward.w2,
+                               layer.feed_forward_norm.norm)
+                for p in (module.weight, module.bias)]
+        return self._parameters
 
     def ensure_capacity(self, length: int) -> None:
         if length <= self.capacity:
@@ -584,19 +619,26 @@ class DecodingState:
         self.capacity = max(length, 2 * self.capacity)
         self.self_k, self.self_v = (_resized(c, self.capacity, self.length)
                                     for c in (self.self_k, self.self_v))
+        history = self.history.new_empty((self.history.shape[0], self.capacity))
+        history[:, : self.length] = self.history[:, : self.length]
+        self.history = history
 
     @torch.inference_mode()
     def reorder(self, rows: Tensor) -> None:
         """rows (N',) LongTensor: new row j continues the current row rows[j]. Copies the
-        caches' filled part once; drops the encoder memory of sentences left without rows."""
+        history of cache rows, not the caches; drops the encoder memory of sentences left
+        without rows."""
         if self.self_k is None:
             raise RuntimeError("reorder before the first decode_step: there are no rows yet")
-        rows = rows.to(self.self_k.device)
+        rows = rows.to(self.history.device)
+        if len(rows) > self.self_k.shape[1]:  # more rows than cache rows: add some
+            self.self_k, self.self_v = (_with_rows(c, len(rows), self.length)
+                                        for c in (self.self_k, self.self_v))
         sentences = self._sentence_of_rows().index_select(0, rows)
-        self.self_k, self._spare_k = (_take_rows(self.self_k, rows, self.length, self._spare_k),
-                                      self.self_k)
-        self.self_v, self._spare_v = (_take_rows(self.self_v, rows, self.length, self._spare_v),
-                                      self.self_v)
+        history = self.history.new_empty((len(rows), self.capacity))
+        torch.index_select(self.history[:, : self.length], 0, rows,
+                           out=history[:, : self.length])
+        self.history = history
         live, sentences = torch.unique(sentences, return_inverse=True)
         if len(live) < self.num_sentences:  # finished sentences leave the batch
             self.memory_k = [k.index_select(0, live) for k in self.memory_k]
@@ -611,7 +653,7 @@ class DecodingState:
     def _sentence_of_rows(self) -> Tensor:
         if self.sentences is not None:
             return self.sentences
-        per_sentence = self.self_k.shape[1] // self.num_sentences
+        per_sentence = self.history.shape[0] // self.num_sentences
         device = self.memory_k[0].device
         return torch.arange(self.num_sentences, device=device).repeat_interleave(per_sentence)
 
@@ -624,15 +666,16 @@ def _padding_bias(mask: Tensor, dtype: torch.dtype | None) -> Tensor | None:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
 
 
-def _take_rows(cache: Tensor, rows: Tensor, length: int, spare: Tensor | None) -> Tensor:
-    """cache (layers, N, h, capacity, d) -> (layers, N', h, capacity, d) with row j = old row
-    rows[j]; only the first `length` positions are copied, into the first N' rows of `spare`
-    when it has the room."""
-    if spare is not None and spare.shape[1] >= len(rows) and spare.shape[3] == cache.shape[3]:
-        out = spare[:, : len(rows)]
-    else:
-        out = cache.new_empty((cache.shape[0], len(rows), *cache.shape[2:]))
-    torch.index_select(cache[:, :, :, :length], 1, rows, out=out[:, :, :, :length])
+def _gather_prefixes(cache: Tensor, history: Tensor) -> Tensor:
+    """cache (rows, h, capacity, d), history (N, t) -> (N, h, t, d): row n's positions j < t,
+    read from cache rows history[n, j]."""
+    positions = torch.arange(history.shape[1], device=history.device)
+    return cache[history, :, positions].transpose(1, 2)
+
+
+def _with_rows(cache: Tensor, rows: int, length: int) -> Tensor:
+    out = cache.new_empty((cache.shape[0], rows, *cache.shape[2:]))
+    out[:, : cache.shape[1], :, :length] = cache[:, :, :, :length]
     return out
 
 

@@ -1,5 +1,7 @@
-"""fastattn._C's decode_attention (the CPU attention of a decoding step) against the float64
-explicit product, and the model's step_attention on either path."""
+"""fastattn._C's decoding ops on CPU: decode_attention (one step's attention, keys read in place or
+through per-key cache rows) against the float64 explicit product, the model's step_attention on
+either path, and decoder_step's argument checks (its results are tested against the PyTorch path
+in test_model's cached-decoding tests)."""
 
 import math
 
@@ -7,7 +9,7 @@ import pytest
 import torch
 
 import fastattn  # noqa: F401  (loads fastattn._C, which registers the op)
-from fastattn.model import _NATIVE_STEP_ATTENTION, step_attention
+from fastattn.model import _NATIVE_STEP_ATTENTION, Transformer, step_attention
 
 pytestmark = pytest.mark.skipif(not _NATIVE_STEP_ATTENTION, reason="fastattn._C is not built")
 
@@ -74,10 +76,65 @@ def test_step_attention_native_equals_explicit_product():
         (lambda q, k, v, b: (q.half(), k.half(), v.half(), b), "float32 or all float64"),
         (lambda q, k, v, b: (q, k.transpose(2, 3).contiguous().transpose(2, 3), v, b),
          "unit stride"),
-        (lambda q, k, v, b: (q, k, v, b[:, :3]), "bias must be \\(G, L\\)"),
+        (lambda q, k, v, b: (q, k, v, b[:, :3]), "bias must be \\(P, L\\)"),
     ],
 )
 def test_bad_input_errors(change, message):
     q, k, v = inputs(2, 2, 1, 5, 8, 8, torch.float32)
     with pytest.raises(RuntimeError, match=message):
         torch.ops.fastattn.decode_attention(*change(q, k, v, torch.zeros(2, 5)), 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_keys_read_through_cache_rows(dtype):
+    """rows[g, j] names the cache row holding key j of group g (beam search's shared prefixes);
+    the bias follows the key's row."""
+    g = torch.Generator().manual_seed(3)
+    cache_rows, groups, keys = 6, 4, 9
+    q = torch.randn(groups, 2, 1, 16, generator=g, dtype=dtype)
+    k = torch.randn(cache_rows, 2, keys + 3, 16, generator=g, dtype=dtype)
+    v = torch.randn(cache_rows, 2, keys + 3, 8, generator=g, dtype=dtype)
+    rows = torch.randint(0, cache_rows, (groups, keys), generator=g)
+    bias = torch.zeros(cache_rows, keys + 3, dtype=dtype)
+    bias[2, 4:] = -math.inf
+    positions = torch.arange(keys)
+    gathered_k, gathered_v = (c[rows, :, positions].transpose(1, 2) for c in (k, v))
+    gathered_bias = bias[rows, positions]
+    out = torch.ops.fastattn.decode_attention(q, k, v, bias, 0.25, rows)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out.double(), reference(q, gathered_k, gathered_v, gathered_bias,
+                                                       0.25), **tol)
+    with pytest.raises(RuntimeError, match="rows outside 0..5"):
+        torch.ops.fastattn.decode_attention(q, k, v, None, 0.25, rows + cache_rows)
+
+
+def test_softmax_weights_over_a_wide_range_of_scores():
+    """Scores from -100 to 0: every weight within float32 rounding of softmax (the vectorised
+    exp), and weights below float32's range exactly 0."""
+    keys = 200
+    scores = torch.linspace(-100, 0, keys)
+    out = torch.ops.fastattn.decode_attention(torch.ones(1, 1, 1, 1), scores.view(1, 1, keys, 1),
+                                              torch.eye(keys).view(1, 1, keys, keys), None, 1.0)
+    expected = scores.double().softmax(0)
+    out = out.view(-1).double()
+    normal = expected > 1e-36
+    torch.testing.assert_close(out[normal], expected[normal], rtol=3e-7, atol=0)
+    assert torch.all(out[~normal] < 1e-36)
+
+
+def test_decoder_step_bad_input_errors():
+    model = Transformer.from_preset("tiny", vocab_size=30).eval()
+    state = model.start_decoding(torch.randint(3, 30, (2, 5)))
+    model.decode_step(torch.ones(2, dtype=torch.long), state)
+    params = state.decoder_parameters(model.decoder)
+    x = torch.randn(2, model.cfg.d_model)
+    history = state.history.clone()
+    args = (state.self_k, state.self_v, history, 1, state.memory_k, state.memory_v, None, None,
+            1e-5)
+    with pytest.raises(RuntimeError, match="need 18 parameters"):
+        torch.ops.fastattn.decoder_step(x, params[:-1], *args)
+    history[0, 0] = 7
+    with pytest.raises(RuntimeError, match="history holds rows outside"):
+        torch.ops.fastattn.decoder_step(x, params, *args)
+    with pytest.raises(RuntimeError, match="float32 or all float64"):
+        torch.ops.fastattn.decoder_step(x.double(), params, *args)

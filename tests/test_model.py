@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+import fastattn.model
 from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
 
 V, PAD = 23, 0
@@ -43,6 +44,16 @@ def pad_after(x, lengths):
     for i, n in enumerate(lengths):
         x[i, n:] = PAD
     return x
+
+
+@pytest.fixture(params=["native", "python"])
+def decoder_path(request, monkeypatch):
+    """Cached decoding through fastattn._C's decoder_step (CPU, float32/64, post-norm) and
+    through the per-layer PyTorch steps."""
+    if request.param == "native" and not fastattn.model._NATIVE_DECODER_STEP:
+        pytest.skip("fastattn._C is not built: no native decoder step")
+    monkeypatch.setattr(fastattn.model, "_NATIVE_DECODER_STEP", request.param == "native")
+    return request.param
 
 
 # The variants that change what the tests below exercise (the interpreter backend is slow).
@@ -82,7 +93,7 @@ def reference_logprobs(model, src, prefixes):
 
 
 @pytest.mark.parametrize("cfg", VARIANTS.values(), ids=VARIANTS.keys())
-def test_cached_decoding_equals_teacher_forcing(cfg):
+def test_cached_decoding_equals_teacher_forcing(cfg, decoder_path):
     model = make_model(cfg)
     src = pad_after(tokens(3, 6), [6, 2, 4])
     tgt = tokens(3, 7, seed=2)
@@ -94,7 +105,7 @@ def test_cached_decoding_equals_teacher_forcing(cfg):
 
 
 @pytest.mark.parametrize("cfg", ATTENTION_VARIANTS.values(), ids=ATTENTION_VARIANTS.keys())
-def test_cached_decoding_follows_beam_search_reorders(cfg):
+def test_cached_decoding_follows_beam_search_reorders(cfg, decoder_path):
     """Rows are expanded, shuffled, duplicated and dropped, and sentences finish and leave, as
     in beam search; every step equals the teacher-forced forward of the row's prefix."""
     model = make_model(cfg)
@@ -124,7 +135,7 @@ def test_cached_decoding_follows_beam_search_reorders(cfg):
 
 
 @pytest.mark.parametrize("lengths", [[5, 3], [5, 5]], ids=["padded", "no_padding"])
-def test_decoding_one_row_per_sentence_then_beams(lengths):
+def test_decoding_one_row_per_sentence_then_beams(lengths, decoder_path):
     """The search may start with one row per sentence and expand to the beam on reorder."""
     model = make_model()
     src = pad_after(tokens(2, 5), lengths)
@@ -148,9 +159,11 @@ def test_decoding_one_row_per_sentence_then_beams(lengths):
     torch.testing.assert_close(logprobs, expected, **TOL)
 
 
-def test_decode_step_does_not_rerun_the_prefix():
+def test_decode_step_does_not_rerun_the_prefix(monkeypatch):
     """The matrix products of a step (projections, feed-forward, output) do not grow with the
-    length: earlier positions come from the cache. (Attention itself reads O(length) keys.)"""
+    length: earlier positions come from the cache. (Attention itself reads O(length) keys.) On
+    the PyTorch path, whose every matmul the counter sees."""
+    monkeypatch.setattr(fastattn.model, "_NATIVE_DECODER_STEP", False)
     model = make_model()
     state = model.start_decoding(tokens(2, 5))
     flops = []
