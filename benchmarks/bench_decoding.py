@@ -2,7 +2,9 @@
 fastattn (cached decoder + native beam search) against CTranslate2 float32 (the converted model,
 fastattn.ctranslate2_convert) and against a plain PyTorch beam search that re-runs the decoder on
 the whole prefix every step (no cache) and keeps finished sentences in the batch; batch 64 and
-batch 1 on Multi30k test2016 sources. Also the per-step bookkeeping of native against python.
+batch 1 on Multi30k test2016 sources, with the share of sentences whose greedy and beam outputs
+are the same in CTranslate2 as in fastattn. Also the per-step bookkeeping of native against
+python.
 
 The model: FASTATTN_BENCH_CHECKPOINT if set, else the default run's final checkpoint
 (checkpoints/multi30k-en-de/checkpoint_final.pt, from `./run train`) if present, else a random
@@ -58,7 +60,7 @@ def padded(batch):
     return source
 
 
-def fastattn_decode(batch):
+def fastattn_decode(batch, beam=BEAM):
     state = MODEL.start_decoding(padded(batch))
 
     def step_fn(tokens, reorder):
@@ -66,7 +68,7 @@ def fastattn_decode(batch):
             state.reorder(reorder)
         return MODEL.decode_step(tokens[:, -1], state)
 
-    return beam_search(step_fn, len(batch), beam_size=BEAM, bos_id=SP.bos_id(),
+    return beam_search(step_fn, len(batch), beam_size=beam, bos_id=SP.bos_id(),
                        eos_id=SP.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
                        length_penalty="pow")
 
@@ -117,12 +119,22 @@ def ctranslate2_decoder():
     translator = ctranslate2.Translator(directory, device="cpu", compute_type="float32",
                                         intra_threads=torch.get_num_threads())
 
-    def decode(batch):
+    def decode(batch, beam=BEAM):
         pieces = [SP.id_to_piece(ids) for ids in batch]
-        return translator.translate_batch(pieces, beam_size=BEAM, length_penalty=ALPHA,
+        return translator.translate_batch(pieces, beam_size=beam, length_penalty=ALPHA,
                                           max_decoding_length=MAX_LEN, min_decoding_length=0)
 
     return decode
+
+
+def same_outputs(ctranslate2_decode, sources, beam):
+    """The fraction of sentences whose best output is the same token sequence in fastattn and
+    CTranslate2 (beam 1: greedy)."""
+    ours = [hyps[0].tokens for hyps in fastattn_decode(sources, beam)]
+    theirs = [r.hypotheses[0] for r in ctranslate2_decode(sources, beam)]
+    eos = SP.eos_id()
+    ours = [SP.id_to_piece(t[:-1] if t and t[-1] == eos else t) for t in ours]
+    return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(sources)
 
 
 SYSTEMS = {"fastattn": lambda: fastattn_decode, "pytorch-plain": lambda: plain_decode,
@@ -135,9 +147,13 @@ def test_decoding_throughput(benchmark, system, batch_size):
     decode = SYSTEMS[system]()
     sources = SOURCES[: SENTENCES[batch_size]]
     batches = [sources[i : i + batch_size] for i in range(0, len(sources), batch_size)]
+    info = {}
+    if system == "ctranslate2-float32":  # the outputs compared, as well as the speed
+        info = {"same_greedy_outputs": same_outputs(decode, sources, 1),
+                "same_beam_outputs": same_outputs(decode, sources, BEAM)}
     measure(benchmark, lambda: [decode(b) for b in batches], group=f"decoding-batch{batch_size}",
-            min_rounds=2, impl=system, sentences=len(sources), beam=BEAM, length_penalty="pow",
-            alpha=ALPHA)
+            min_rounds=2, impl=system, baseline="ctranslate2-float32", sentences=len(sources),
+            beam=BEAM, length_penalty="pow", alpha=ALPHA, **info)
 
 
 @pytest.mark.parametrize("impl", ["native", "python"])

@@ -98,6 +98,8 @@ COLUMNS = {
     "tokens_per_s": ("tokens/s", lambda v: f"{v:,.0f}"),
     "mfu": ("MFU", lambda v: f"{100 * v:.1f}%"),
     "peak_memory_bytes": ("peak memory", mebibytes),
+    "same_greedy_outputs": ("same greedy outputs as fastattn", lambda v: f"{100 * v:.0f}%"),
+    "same_beam_outputs": ("same beam outputs as fastattn", lambda v: f"{100 * v:.0f}%"),
 }
 
 
