@@ -5,6 +5,7 @@
 
 #include "beam_search.h"
 #include "decode_attention.h"
+#include "packed_linear.h"
 
 TORCH_LIBRARY_FRAGMENT(fastattn, m) {
   m.def(
@@ -18,13 +19,17 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
   m.def(
       "decoder_step(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, "
       "Tensor history, int length, Tensor[] memory_k, Tensor[] memory_v, Tensor? memory_bias, "
-      "Tensor? sentences, float eps) -> Tensor");
+      "Tensor? sentences, Tensor[] packed, float eps) -> Tensor");
+  m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("beam_search_step", &fastattn::beam_search_step_cpu);
   m.impl("decode_attention", &fastattn::decode_attention_cpu);
   m.impl("decoder_step", &fastattn::decoder_step_cpu);
+  m.impl("pack_linear_weight", &fastattn::pack_linear_weight_cpu);
+  m.impl("linear", &fastattn::linear_cpu);
 }
 
 #ifdef FASTATTN_WITH_CUDA

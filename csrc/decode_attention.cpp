@@ -3,6 +3,8 @@
 // step chains the post-norm layers with ATen's matmuls and these loops, in one call.
 #include "decode_attention.h"
 
+#include "packed_linear.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -229,8 +231,9 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
                             const at::Tensor &self_v, const at::Tensor &history, int64_t length,
                             at::TensorList memory_k, at::TensorList memory_v,
                             const std::optional<at::Tensor> &memory_bias,
-                            const std::optional<at::Tensor> &sentences, double eps) {
-  constexpr int64_t kPerLayer = 18;
+                            const std::optional<at::Tensor> &sentences, at::TensorList packed,
+                            double eps) {
+  constexpr int64_t kPerLayer = 18, kLinearsPerLayer = 6;
   TORCH_CHECK(self_k.dim() == 5 && self_v.dim() == 5 &&
                   self_v.sizes().slice(0, 4) == self_k.sizes().slice(0, 4),
               "decoder_step: self_k and self_v must be (layers, rows, H, capacity, D), got ",
@@ -247,6 +250,9 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
               "decoder_step: need ", kPerLayer, " parameters and one memory_k, memory_v per "
               "layer for ", layers, " layers, got ", params.size(), ", ", memory_k.size(), ", ",
               memory_v.size());
+  TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == kLinearsPerLayer * layers,
+              "decoder_step: packed must be empty or hold ", kLinearsPerLayer,
+              " packed weights per layer, got ", packed.size());
   TORCH_CHECK(0 <= length && length < self_k.size(3), "decoder_step: position ", length,
               " is outside the caches' capacity ", self_k.size(3));
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
@@ -276,17 +282,24 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
   at::Tensor y = x.contiguous().clone();
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor *p = &params[kPerLayer * l];
-    // Masked self-attention over this row's prefix, read through `history`.
-    const auto qkv = at::linear(y, p[0], p[1]);
+    // The layer's i-th linear map: 0 qkv, 1 self-attention out, 2 cross q, 3 cross out, 4 W1,
+    // 5 W2 (weight p[kWeight[i]], bias the tensor after it).
+    const auto linear = [&](const at::Tensor &in, int64_t i) {
+      constexpr int64_t kWeight[kLinearsPerLayer] = {0, 2, 6, 8, 12, 14};
+      std::optional<at::Tensor> panels;
+      if (!packed.empty()) panels = packed[kLinearsPerLayer * l + i];
+      return linear_cpu(in, p[kWeight[i]], panels, p[kWeight[i] + 1]);
+    };
+    const auto qkv = linear(y, 0);
     const auto q = qkv.narrow(1, 0, H * Dk).view({N, H, 1, Dk});
     self_k[l].narrow(0, 0, N).select(2, length).copy_(
         qkv.narrow(1, H * Dk, H * Dk).view({N, H, Dk}));
     self_v[l].narrow(0, 0, N).select(2, length).copy_(
         qkv.narrow(1, 2 * H * Dk, H * Dv).view({N, H, Dv}));
     const auto a = attend(q, self_k[l], self_v[l], nullptr, scale, &rows);
-    add_layer_norm_(y, at::linear(a.view({N, H * Dv}), p[2], p[3]), p[4], p[5], eps);
+    add_layer_norm_(y, linear(a.view({N, H * Dv}), 1), p[4], p[5], eps);
     // Attention over the encoder output: rows grouped by sentence are that sentence's queries.
-    const auto cq = at::linear(y, p[6], p[7]);
+    const auto cq = linear(y, 2);
     at::Tensor c;
     if (memory_rows) {
       c = attend(cq.view({N, H, 1, Dk}), memory_k[l], memory_v[l], bias, scale, &*memory_rows)
@@ -297,10 +310,10 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
               .transpose(1, 2)
               .reshape({N, H * Dv});
     }
-    add_layer_norm_(y, at::linear(c, p[8], p[9]), p[10], p[11], eps);
+    add_layer_norm_(y, linear(c, 3), p[10], p[11], eps);
     // Feed-forward network.
-    auto hidden = at::linear(y, p[12], p[13]);
-    add_layer_norm_(y, at::linear(hidden.relu_(), p[14], p[15]), p[16], p[17], eps);
+    auto hidden = linear(y, 4);
+    add_layer_norm_(y, linear(hidden.relu_(), 5), p[16], p[17], eps);
   }
   return y;
 }

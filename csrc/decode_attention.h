@@ -29,11 +29,13 @@ at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const 
 // positions j from cache row history[n, j] (history (N, > length) int64, history[:, length] = n).
 // memory_k[l] (B, H, S, Dk), memory_v[l] the encoder keys and values; memory_bias (B, S) additive
 // or none; sentences (N,) the sentence of each row, or none when rows come grouped by sentence,
-// N / B each. Returns the new x (N, d).
+// N / B each. packed: empty, or per layer the 6 linear weights (qkv, out, cross q, cross out, W1,
+// W2) as pack_linear_weight panels, used while N is small. Returns the new x (N, d).
 at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at::Tensor &self_k,
                             const at::Tensor &self_v, const at::Tensor &history, int64_t length,
                             at::TensorList memory_k, at::TensorList memory_v,
                             const std::optional<at::Tensor> &memory_bias,
-                            const std::optional<at::Tensor> &sentences, double eps);
+                            const std::optional<at::Tensor> &sentences, at::TensorList packed,
+                            double eps);
 
 }  // namespace fastattn

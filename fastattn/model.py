@@ -544,22 +544,50 @@ class Transformer(nn.Module):
         x = self.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
         if self._native_decoder_step(x):
             # The whole stack in one call: a few-row step is dominated by per-op overhead.
+            params, panels, output_panels = self._native_decoder_weights()
             x = torch.ops.fastattn.decoder_step(
-                x, state.decoder_parameters(self.decoder), state.self_k, state.self_v,
-                state.history, state.length, state.memory_k, state.memory_v,
+                x, params, state.self_k, state.self_v, state.history, state.length,
+                state.memory_k, state.memory_v,
                 None if state.memory_bias is None else state.memory_bias.flatten(1),
-                state.sentences, self.decoder.layers[0].feed_forward_norm.norm.eps)
+                state.sentences, panels, self.decoder.layers[0].feed_forward_norm.norm.eps)
+            logits = torch.ops.fastattn.linear(x, self.embedding.weight.detach(), output_panels, None)
         else:
             for i, layer in enumerate(self.decoder.layers):
                 x = layer.step(x, state, i)
             if self.decoder.final_norm is not None:
                 x = self.decoder.final_norm(x)
+            logits = F.linear(x, self.embedding.weight)
         state.length += 1
-        return torch.log_softmax(F.linear(x, self.embedding.weight).float(), dim=-1)
+        return torch.log_softmax(logits.float(), dim=-1)
 
     def _native_decoder_step(self, x: Tensor) -> bool:
         return (_NATIVE_DECODER_STEP and not self.cfg.pre_norm and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.float64))
+
+    def _native_decoder_weights(self) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
+        """For fastattn::decoder_step: the decoder's weights in its order (18 per layer), and
+        for float32 the panels of its 6 linear maps per layer and of the output projection
+        (fastattn::pack_linear_weight, the few-row layout). Built once and again only after a
+        weight changed: in-place updates bump a tensor's _version."""
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if getattr(self, "_decoder_weights_key", None) != key:
+            linears = [(layer.self_attention.qkv, layer.self_attention.out,
+                        layer.cross_attention.q, layer.cross_attention.out,
+                        layer.feed_forward.w1, layer.feed_forward.w2)
+                       for layer in self.decoder.layers]
+            params = [p.detach() for layer, maps in zip(self.decoder.layers, linears)
+                      for module in (*maps[:2], layer.self_attention_norm.norm, *maps[2:4],
+                                     layer.cross_attention_norm.norm, *maps[4:],
+                                     layer.feed_forward_norm.norm)
+                      for p in (module.weight, module.bias)]
+            panels, output_panels = [], None
+            if self.embedding.weight.dtype == torch.float32:
+                pack = torch.ops.fastattn.pack_linear_weight
+                panels = [pack(m.weight.detach()) for maps in linears for m in maps]
+                output_panels = pack(self.embedding.weight.detach())
+            self._decoder_weights = params, panels, output_panels
+            self._decoder_weights_key = key
+        return self._decoder_weights
 
 
 class DecodingState:
@@ -583,7 +611,6 @@ class DecodingState:
         self.history: Tensor | None = None
         self.sentences: Tensor | None = None
         self.length = 0
-        self._parameters: list[Tensor] | None = None
 
     @property
     def num_sentences(self) -> int:
@@ -599,19 +626,6 @@ class DecodingState:
         self.self_k = like.new_empty((*shape, cfg.key_dim), dtype=dtype)
         self.self_v = like.new_empty((*shape, cfg.value_dim), dtype=dtype)
         self.history = torch.empty(rows, self.capacity, dtype=torch.long, device=like.device)
-
-    def decoder_parameters(self, decoder: Stack) -> list[Tensor]:
-        """The decoder's weights in fastattn::decoder_step's order, gathered once per state."""
-        if self._parameters is None:
-            self._parameters = [
-                p for layer in decoder.layers
-                for module in (layer.self_attention.qkv, layer.self_attention.out,
-                               layer.self_attention_norm.norm, layer.cross_attention.q,
-                               layer.cross_attention.out, layer.cross_attention_norm.norm,
-                               layer.feed_forward.w1, layer.feed_forward.w2,
-                               layer.feed_forward_norm.norm)
-                for p in (module.weight, module.bias)]
-        return self._parameters
 
     def ensure_capacity(self, length: int) -> None:
         if length <= self.capacity:

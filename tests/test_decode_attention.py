@@ -126,11 +126,11 @@ def test_decoder_step_bad_input_errors():
     model = Transformer.from_preset("tiny", vocab_size=30).eval()
     state = model.start_decoding(torch.randint(3, 30, (2, 5)))
     model.decode_step(torch.ones(2, dtype=torch.long), state)
-    params = state.decoder_parameters(model.decoder)
+    params, panels, _ = model._native_decoder_weights()
     x = torch.randn(2, model.cfg.d_model)
     history = state.history.clone()
     args = (state.self_k, state.self_v, history, 1, state.memory_k, state.memory_v, None, None,
-            1e-5)
+            panels, 1e-5)
     with pytest.raises(RuntimeError, match="need 18 parameters"):
         torch.ops.fastattn.decoder_step(x, params[:-1], *args)
     history[0, 0] = 7
@@ -138,3 +138,34 @@ def test_decoder_step_bad_input_errors():
         torch.ops.fastattn.decoder_step(x, params, *args)
     with pytest.raises(RuntimeError, match="float32 or all float64"):
         torch.ops.fastattn.decoder_step(x.double(), params, *args)
+    with pytest.raises(RuntimeError, match="packed must be empty or hold 6"):
+        torch.ops.fastattn.decoder_step(x, params, *args[:-2], panels[:-1], 1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 33])
+@pytest.mark.parametrize("out_features, in_features", [(1, 8), (17, 17), (97, 64), (1023, 128)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_packed_linear_matches_fp64(rows, out_features, in_features, with_bias):
+    """fastattn::linear through the few-row panels (rows <= 32) and through ATen (33 rows)."""
+    x = torch.randn(rows, in_features)
+    weight = torch.randn(out_features, in_features)
+    bias = torch.randn(out_features) if with_bias else None
+    out = torch.ops.fastattn.linear(x, weight, torch.ops.fastattn.pack_linear_weight(weight),
+                                    bias)
+    expected = torch.nn.functional.linear(x.double(), weight.double(),
+                                          None if bias is None else bias.double())
+    assert out.shape == (rows, out_features) and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5 * in_features**0.5)
+
+
+def test_packed_linear_bad_input_errors():
+    weight = torch.randn(20, 8)
+    with pytest.raises(RuntimeError, match="weight must be a float32"):
+        torch.ops.fastattn.pack_linear_weight(weight.double())
+    with pytest.raises(RuntimeError, match="packed must be pack_linear_weight"):
+        torch.ops.fastattn.linear(torch.randn(2, 8), weight,
+                                  torch.ops.fastattn.pack_linear_weight(weight[:16]), None)
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
+        torch.ops.fastattn.linear(torch.randn(2, 8), weight,
+                                  torch.ops.fastattn.pack_linear_weight(weight), torch.randn(3))
+

@@ -104,6 +104,21 @@ def test_cached_decoding_equals_teacher_forcing(cfg, decoder_path):
     assert state.length == 7 and state.capacity >= 7
 
 
+def test_decoding_follows_weights_updated_in_place(decoder_path):
+    """The native step keeps packed copies of the weights: an optimiser's in-place update (as
+    between dev evaluations in training) must reach the next decoding."""
+    model = make_model()
+    src, tgt = tokens(2, 5), tokens(2, 4, seed=3)
+    for _ in range(2):
+        state = model.start_decoding(src)
+        steps = [model.decode_step(tgt[:, t], state) for t in range(tgt.shape[1])]
+        torch.testing.assert_close(torch.stack(steps, dim=1), model(src, tgt).log_softmax(-1),
+                                   **TOL)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.1)
+
+
 @pytest.mark.parametrize("cfg", ATTENTION_VARIANTS.values(), ids=ATTENTION_VARIANTS.keys())
 def test_cached_decoding_follows_beam_search_reorders(cfg, decoder_path):
     """Rows are expanded, shuffled, duplicated and dropped, and sentences finish and leave, as

@@ -1,0 +1,26 @@
+// Linear layers for the few rows of a decoding step. ATen's GEMM (MKL) is built for many rows: for
+// 1-16 rows it spends more time than reading the weight takes. Here the weight is stored once as
+// panels of 16 output features, each panel (D, 16) contiguous, so a step streams it exactly once
+// through 8-float vector multiply-adds.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace fastattn {
+
+// Up to this many rows the panel kernel beats ATen's GEMM (measured on AVX2 and AVX-512 CPUs at
+// d_model 128-512); with more rows the GEMM's blocking wins.
+constexpr int64_t kPackedLinearMaxRows = 32;
+
+// weight (O, D) float32 -> panels (ceil(O / 16), D, 16), zero-padded past O.
+at::Tensor pack_linear_weight_cpu(const at::Tensor &weight);
+
+// x (N, D) @ weight.T + bias -> (N, O). Through `packed` (pack_linear_weight(weight)) when given,
+// float32 and N <= kPackedLinearMaxRows; otherwise at::linear.
+at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
+                      const std::optional<at::Tensor> &packed,
+                      const std::optional<at::Tensor> &bias);
+
+}  // namespace fastattn
