@@ -2,6 +2,8 @@
 // top-k, finishing, back-filling, the stopping bound, then compaction of the surviving rows.
 #include "beam_search.h"
 
+#include "vector_math.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -41,10 +43,37 @@ class TopCandidates {
 
   const std::vector<Candidate> &items() const { return items_; }
 
+  // The score a newcomer must beat, -inf while there is room (then every candidate enters).
+  bool full() const { return static_cast<int64_t>(items_.size()) == capacity_; }
+  float worst() const { return full() ? items_.back().score : kNegInf; }
+
  private:
   int64_t capacity_;
   std::vector<Candidate> items_;
 };
+
+// Offers base + row[v] with index offset + v for every v < vocab to top, and returns whether every
+// row[v] <= 0 (a log-probability). Most of a row cannot enter a full top: a chunk takes one
+// vectorised pass and is offered element by element only if one of its scores beats the worst
+// kept one, by the same float comparison offer makes.
+FASTATTN_CLONES bool offer_row(const float *row, int64_t vocab, float base, int64_t offset,
+                               TopCandidates &top) {
+  constexpr int64_t kChunk = 64;
+  bool valid = true;
+  for (int64_t v0 = 0; v0 < vocab; v0 += kChunk) {
+    const int64_t v1 = std::min(vocab, v0 + kChunk);
+    const float worst = top.worst();
+    bool enters = !top.full(), log_probability = true;
+    for (int64_t v = v0; v < v1; ++v) {
+      log_probability &= row[v] <= 0.f;
+      enters |= base + row[v] > worst;
+    }
+    valid &= log_probability;
+    if (enters)
+      for (int64_t v = v0; v < v1; ++v) top.offer(base + row[v], offset + v);
+  }
+  return valid;
+}
 
 struct LiveBeam {
   int64_t row;  // the row of this step it continues
@@ -129,10 +158,7 @@ StepResult beam_search_step_cpu(FASTATTN_STEP_ARGS) {
           top.offer(base + row[eos_id], k * vocab + eos_id);
           continue;
         }
-        for (int64_t v = 0; v < vocab; ++v) {
-          valid &= row[v] <= 0.f;
-          top.offer(base + row[v], k * vocab + v);
-        }
+        valid &= offer_row(row, vocab, base, k * vocab, top);
       }
       invalid[i] = !valid;
 

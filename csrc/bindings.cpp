@@ -5,6 +5,7 @@
 
 #include "beam_search.h"
 #include "decode_attention.h"
+#include "log_softmax.h"
 #include "packed_linear.h"
 
 TORCH_LIBRARY_FRAGMENT(fastattn, m) {
@@ -22,6 +23,7 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "Tensor? sentences, Tensor[] packed, float eps) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
+  m.def("log_softmax_(Tensor(a!) x) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
@@ -30,6 +32,7 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("decoder_step", &fastattn::decoder_step_cpu);
   m.impl("pack_linear_weight", &fastattn::pack_linear_weight_cpu);
   m.impl("linear", &fastattn::linear_cpu);
+  m.impl("log_softmax_", &fastattn::log_softmax_cpu_);
 }
 
 #ifdef FASTATTN_WITH_CUDA

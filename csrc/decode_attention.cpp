@@ -4,6 +4,7 @@
 #include "decode_attention.h"
 
 #include "packed_linear.h"
+#include "vector_math.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -18,18 +19,6 @@
 namespace fastattn {
 
 namespace {
-
-// Built for AVX-512, AVX2 and baseline x86-64, picked at load time: the extension is compiled
-// without -march, so without clones these loops would use SSE only.
-#if defined(__x86_64__) && defined(__GNUC__)
-#define FASTATTN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FASTATTN_CLONES
-#endif
-
-// The loops below are inlined into one cloned function per query row (attend_query): a call
-// through the clones' dispatch for every key would cost more than its arithmetic.
-#define FASTATTN_INLINE inline __attribute__((always_inline))
 
 // q · k over n elements, in 16 independent partial sums so that the loop vectorises without
 // reassociating one running sum (which -O3 alone may not do for floating point).
@@ -80,10 +69,9 @@ void add_layer_norm_(at::Tensor &x, const at::Tensor &y, const at::Tensor &weigh
   });
 }
 
-// p[j] = exp(p[j]) for p[j] <= 0 (scores minus their maximum), returning the sum. float uses a
-// vectorisable exp, 2^k · e^r with k = round(x / ln 2), |r| <= ln(2) / 2 and e^r by its Taylor
-// polynomial to r^7 (relative error below 2^-23); std::exp compiles to a scalar call per score,
-// which costs more than the dot products of a short decoding prefix.
+// p[j] = exp(p[j]) for p[j] <= 0 (scores minus their maximum), returning the sum. float uses the
+// vectorisable exp_nonpositive: std::exp compiles to a scalar call per score, which costs more
+// than the dot products of a short decoding prefix.
 template <typename scalar_t>
 FASTATTN_INLINE scalar_t exp_and_sum(scalar_t *p, int64_t n) {
   scalar_t sum = 0;
@@ -93,23 +81,7 @@ FASTATTN_INLINE scalar_t exp_and_sum(scalar_t *p, int64_t n) {
 
 template <>
 FASTATTN_INLINE float exp_and_sum<float>(float *p, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    const float x = std::max(p[j], -87.0f);  // e^-87 is near FLT_MIN: 2^k stays a normal float
-    const int32_t k = -static_cast<int32_t>(x * -1.44269504f + 0.5f);  // round(x / ln 2), x <= 0
-    const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-    float e = 1.0f / 5040;
-    e = e * r + 1.0f / 720;
-    e = e * r + 1.0f / 120;
-    e = e * r + 1.0f / 24;
-    e = e * r + 1.0f / 6;
-    e = e * r + 0.5f;
-    e = e * r + 1.0f;
-    e = e * r + 1.0f;
-    const int32_t bits = (k + 127) << 23;
-    float two_k;
-    std::memcpy(&two_k, &bits, sizeof two_k);
-    p[j] = static_cast<float>(p[j] >= -87.0f) * (e * two_k);  // masked keys (-inf) weigh 0
-  }
+  for (int64_t j = 0; j < n; ++j) p[j] = exp_nonpositive(p[j]);
   constexpr int64_t kLanes = 16;  // independent partial sums, as in dot
   float partial[kLanes] = {};
   int64_t j = 0;

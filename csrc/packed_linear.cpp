@@ -1,5 +1,7 @@
 #include "packed_linear.h"
 
+#include "vector_math.h"
+
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -9,12 +11,6 @@ namespace fastattn {
 
 namespace {
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define FASTATTN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define FASTATTN_CLONES
-#endif
-
 constexpr int64_t kPanel = 16;  // output features per panel: two 8-float vectors
 
 // Eight floats as one value: GCC emits one AVX register per v8 (two SSE registers in the
@@ -23,10 +19,8 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
 // out[r, :width] = x[r] · panel + bias for R rows of x (rows D apart) and one panel (D, 16).
 template <int R>
-inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t D,
-                                                      const float *panel, const float *bias,
-                                                      float *out, int64_t out_stride,
-                                                      int64_t width) {
+FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, const float *bias,
+                                float *out, int64_t out_stride, int64_t width) {
   v8 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
   for (int64_t d = 0; d < D; ++d) {

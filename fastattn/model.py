@@ -550,15 +550,16 @@ class Transformer(nn.Module):
                 state.memory_k, state.memory_v,
                 None if state.memory_bias is None else state.memory_bias.flatten(1),
                 state.sentences, panels, self.decoder.layers[0].feed_forward_norm.norm.eps)
-            logits = torch.ops.fastattn.linear(x, self.embedding.weight.detach(), output_panels, None)
-        else:
-            for i, layer in enumerate(self.decoder.layers):
-                x = layer.step(x, state, i)
-            if self.decoder.final_norm is not None:
-                x = self.decoder.final_norm(x)
-            logits = F.linear(x, self.embedding.weight)
+            logits = torch.ops.fastattn.linear(x, self.embedding.weight.detach(), output_panels,
+                                               None)
+            state.length += 1
+            return torch.ops.fastattn.log_softmax_(logits.float())
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer.step(x, state, i)
+        if self.decoder.final_norm is not None:
+            x = self.decoder.final_norm(x)
         state.length += 1
-        return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(F.linear(x, self.embedding.weight).float(), dim=-1)
 
     def _native_decoder_step(self, x: Tensor) -> bool:
         return (_NATIVE_DECODER_STEP and not self.cfg.pre_norm and x.device.type == "cpu"

@@ -169,3 +169,27 @@ def test_packed_linear_bad_input_errors():
         torch.ops.fastattn.linear(torch.randn(2, 8), weight,
                                   torch.ops.fastattn.pack_linear_weight(weight), torch.randn(3))
 
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 97, 1023, 8000])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_log_softmax_matches_fp64(rows, vocab):
+    """fastattn::log_softmax_ (the decoding step's output) against float64, with a wide range of
+    logits and -inf (a masked token) in the row."""
+    logits = torch.randn(rows, vocab) * 30
+    if vocab > 1:
+        logits[:, -1] = float("-inf")
+    expected = torch.log_softmax(logits.double(), dim=-1)
+    out = torch.ops.fastattn.log_softmax_(logits)
+    assert out.data_ptr() == logits.data_ptr()  # in place
+    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-5)
+
+
+def test_log_softmax_propagates_nan_and_keeps_other_dtypes():
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    out = torch.ops.fastattn.log_softmax_(logits)
+    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
+    x = torch.randn(4, 9, dtype=torch.float64)
+    expected = torch.log_softmax(x, -1)
+    torch.testing.assert_close(torch.ops.fastattn.log_softmax_(x), expected)

@@ -150,7 +150,8 @@ def test_matches_reference_search(impl, problem):
 def test_native_equals_python(seed):
     g = torch.Generator().manual_seed(seed)
     draw = lambda low, high: int(torch.randint(low, high, (1,), generator=g))
-    batch, vocab, beam = draw(1, 9), draw(2, 60), draw(1, 7)
+    # Vocabularies past the native scan's 64-score chunks, which it skips when none can enter.
+    batch, vocab, beam = draw(1, 9), draw(2, 300), draw(1, 7)
     nbest, limits = draw(1, beam + 1), torch.randint(1, 14, (batch,), generator=g)
     for kind in ("gnmt", "pow"):
         for ties in (False, True):

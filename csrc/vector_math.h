@@ -1,0 +1,42 @@
+// Small inline math that GCC vectorises, shared by the decoding loops.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace fastattn {
+
+// Built for AVX-512, AVX2 and baseline x86-64, picked at load time: the extension is compiled
+// without -march, so without clones the loops would use SSE only.
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FASTATTN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define FASTATTN_CLONES
+#endif
+
+// For helpers inlined into a cloned function: a call through the clones' dispatch per element
+// would cost more than its arithmetic.
+#define FASTATTN_INLINE inline __attribute__((always_inline))
+
+// e^x for x <= 0 (x minus a maximum), vectorisable where std::exp compiles to a scalar call:
+// 2^k · e^r with k = round(x / ln 2), |r| <= ln(2) / 2 and e^r by its Taylor polynomial to r^7
+// (relative error below 2^-23). Below -87 (e^-87 is near FLT_MIN), and for -inf, it is 0.
+FASTATTN_INLINE float exp_nonpositive(float x) {
+  const float y = x < -87.0f ? -87.0f : x;  // keeps 2^k a normal float
+  const int32_t k = -static_cast<int32_t>(y * -1.44269504f + 0.5f);  // round(y / ln 2), y <= 0
+  const float r = (y - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
+  float e = 1.0f / 5040;
+  e = e * r + 1.0f / 720;
+  e = e * r + 1.0f / 120;
+  e = e * r + 1.0f / 24;
+  e = e * r + 1.0f / 6;
+  e = e * r + 0.5f;
+  e = e * r + 1.0f;
+  e = e * r + 1.0f;
+  const int32_t bits = (k + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return static_cast<float>(x >= -87.0f) * (e * two_k);
+}
+
+}  // namespace fastattn
