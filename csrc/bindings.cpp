@@ -5,7 +5,6 @@
 
 #include "beam_search.h"
 #include "decode_attention.h"
-#include "log_softmax.h"
 #include "packed_linear.h"
 
 TORCH_LIBRARY_FRAGMENT(fastattn, m) {
@@ -23,7 +22,7 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "Tensor? sentences, Tensor[] packed, float eps) -> Tensor");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
-  m.def("log_softmax_(Tensor(a!) x) -> Tensor(a!)");
+  m.def("log_softmax_linear(Tensor x, Tensor weight, Tensor? packed) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
@@ -32,7 +31,7 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("decoder_step", &fastattn::decoder_step_cpu);
   m.impl("pack_linear_weight", &fastattn::pack_linear_weight_cpu);
   m.impl("linear", &fastattn::linear_cpu);
-  m.impl("log_softmax_", &fastattn::log_softmax_cpu_);
+  m.impl("log_softmax_linear", &fastattn::log_softmax_linear_cpu);
 }
 
 #ifdef FASTATTN_WITH_CUDA

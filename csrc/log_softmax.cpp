@@ -1,8 +1,5 @@
 #include "log_softmax.h"
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 
@@ -10,10 +7,8 @@
 
 namespace fastattn {
 
-namespace {
-
-// Rows [begin, end) of V floats each. 16 independent lanes keep the max and the sum vectorised
-// (one running value would forbid reassociation); a NaN anywhere makes the row NaN, as in ATen.
+// 16 independent lanes keep the max and the sum vectorised (one running value would forbid
+// reassociation).
 FASTATTN_CLONES void log_softmax_rows(float *x, int64_t V, int64_t begin, int64_t end) {
   constexpr int64_t kLanes = 16;
   for (int64_t i = begin; i < end; ++i) {
@@ -42,22 +37,6 @@ FASTATTN_CLONES void log_softmax_rows(float *x, int64_t V, int64_t begin, int64_
     const float lse = nan ? NAN : max + std::log(sum);
     for (v = 0; v < V; ++v) row[v] -= lse;
   }
-}
-
-}  // namespace
-
-at::Tensor &log_softmax_cpu_(at::Tensor &x) {
-  if (x.scalar_type() != at::kFloat || !x.is_contiguous() || x.dim() == 0 || x.numel() == 0) {
-    x.copy_(at::log_softmax(x, -1));
-    return x;
-  }
-  const int64_t V = x.size(-1), rows = x.numel() / V;
-  float *p = x.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, V));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    log_softmax_rows(p, V, begin, end);
-  });
-  return x;
 }
 
 }  // namespace fastattn

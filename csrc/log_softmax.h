@@ -1,12 +1,12 @@
-// The decoding step's output distribution on CPU: log_softmax over the vocabulary, in place.
+// log_softmax over rows of floats, for the decoding step's output distribution.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <cstdint>
 
 namespace fastattn {
 
-// x (..., V) <- x - logsumexp(x) over the last dimension, in place; returns x. float32 rows take
-// three vectorised passes (max, sum of exp_nonpositive, subtract), other dtypes at::log_softmax.
-at::Tensor &log_softmax_cpu_(at::Tensor &x);
+// row <- row - logsumexp(row) for rows [begin, end) of x (rows V apart), in three vectorised
+// passes (max, sum of exp_nonpositive, subtract). A NaN anywhere makes its row NaN, as in ATen.
+void log_softmax_rows(float *x, int64_t V, int64_t begin, int64_t end);
 
 }  // namespace fastattn

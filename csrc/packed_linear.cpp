@@ -1,5 +1,6 @@
 #include "packed_linear.h"
 
+#include "log_softmax.h"
 #include "vector_math.h"
 
 #include <ATen/ATen.h>
@@ -70,23 +71,33 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor &weight) {
   return padded.view({count, kPanel, D}).transpose(1, 2).contiguous();
 }
 
+namespace {
+
+void check_packed(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
+                  const std::optional<at::Tensor> &bias, const char *op) {
+  const int64_t D = x.size(1), O = weight.size(0), count = (O + kPanel - 1) / kPanel;
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == D, op, ": x ", x.sizes(), " and weight ",
+              weight.sizes(), " do not match");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == count && packed.size(1) == D &&
+                  packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous(),
+              op, ": packed must be pack_linear_weight(weight), (", count, ", ", D, ", ", kPanel,
+              ") float32 contiguous, got ", packed.sizes());
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == O &&
+                        bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              op, ": bias must be a contiguous float32 (", O, ") tensor");
+}
+
+}  // namespace
+
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &packed,
                       const std::optional<at::Tensor> &bias) {
   const bool use_packed = packed && x.dim() == 2 && x.size(0) <= kPackedLinearMaxRows &&
                           x.scalar_type() == at::kFloat;
   if (!use_packed) return at::linear(x, weight, bias);
+  check_packed(x, weight, *packed, bias, "linear");
   const int64_t N = x.size(0), D = x.size(1), O = weight.size(0);
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == D,
-              "linear: x ", x.sizes(), " and weight ", weight.sizes(), " do not match");
-  TORCH_CHECK(packed->dim() == 3 && packed->size(0) == (O + kPanel - 1) / kPanel &&
-                  packed->size(1) == D && packed->size(2) == kPanel &&
-                  packed->scalar_type() == at::kFloat && packed->is_contiguous(),
-              "linear: packed must be pack_linear_weight(weight), (", (O + kPanel - 1) / kPanel,
-              ", ", D, ", ", kPanel, ") float32 contiguous, got ", packed->sizes());
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == O &&
-                        bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              "linear: bias must be a contiguous float32 (", O, ") tensor");
   const auto xc = x.contiguous();
   auto out = at::empty({N, O}, x.options());
   const float *xp = xc.data_ptr<float>(), *pp = packed->data_ptr<float>();
@@ -96,6 +107,35 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, N * D * kPanel));
   at::parallel_for(0, packed->size(0), grain, [&](int64_t p0, int64_t p1) {
     panels(xp, N, D, pp, bp, O, p0, p1, op);
+  });
+  return out;
+}
+
+at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
+                                  const std::optional<at::Tensor> &packed) {
+  if (!packed || x.dim() != 2 || x.scalar_type() != at::kFloat)
+    return at::log_softmax(at::linear(x, weight), -1);
+  check_packed(x, weight, *packed, std::nullopt, "log_softmax_linear");
+  constexpr int64_t kBlock = 16;  // 16 rows of a 16k vocabulary are 1 MB: they stay in L2
+  const int64_t N = x.size(0), D = x.size(1), O = weight.size(0), count = packed->size(0);
+  const auto xc = x.contiguous();
+  auto out = at::empty({N, O}, x.options());
+  const float *xp = xc.data_ptr<float>(), *pp = packed->data_ptr<float>();
+  float *op = out.data_ptr<float>();
+  if (N <= kBlock) {  // one block: the threads share its panels, then its rows
+    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, N * D * kPanel));
+    at::parallel_for(0, count, grain, [&](int64_t p0, int64_t p1) {
+      panels(xp, N, D, pp, nullptr, O, p0, p1, op);
+    });
+    at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) { log_softmax_rows(op, O, r0, r1); });
+    return out;
+  }
+  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t first = b * kBlock, rows = std::min(kBlock, N - first);
+      panels(xp + first * D, rows, D, pp, nullptr, O, 0, count, op + first * O);
+      log_softmax_rows(op + first * O, O, 0, rows);
+    }
   });
   return out;
 }

@@ -23,4 +23,10 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &packed,
                       const std::optional<at::Tensor> &bias);
 
+// log_softmax(x (N, D) @ weight.T) over the last dimension: the decoding step's output
+// distribution. With `packed` and float32, blocks of 16 rows are projected through the panels and
+// normalised while they are in cache (N x vocabulary logits need not fit); otherwise ATen.
+at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
+                                  const std::optional<at::Tensor> &packed);
+
 }  // namespace fastattn

@@ -550,10 +550,9 @@ class Transformer(nn.Module):
                 state.memory_k, state.memory_v,
                 None if state.memory_bias is None else state.memory_bias.flatten(1),
                 state.sentences, panels, self.decoder.layers[0].feed_forward_norm.norm.eps)
-            logits = torch.ops.fastattn.linear(x, self.embedding.weight.detach(), output_panels,
-                                               None)
             state.length += 1
-            return torch.ops.fastattn.log_softmax_(logits.float())
+            return torch.ops.fastattn.log_softmax_linear(x, self.embedding.weight.detach(),
+                                                         output_panels).float()
         for i, layer in enumerate(self.decoder.layers):
             x = layer.step(x, state, i)
         if self.decoder.final_norm is not None:

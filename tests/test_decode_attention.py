@@ -172,24 +172,31 @@ def test_packed_linear_bad_input_errors():
 
 
 @pytest.mark.parametrize("vocab", [1, 17, 97, 1023, 8000])
-@pytest.mark.parametrize("rows", [1, 5])
-def test_log_softmax_matches_fp64(rows, vocab):
-    """fastattn::log_softmax_ (the decoding step's output) against float64, with a wide range of
-    logits and -inf (a masked token) in the row."""
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
+def test_log_softmax_linear_matches_fp64(rows, vocab):
+    """fastattn::log_softmax_linear (the decoding step's output) against float64: one block of
+    rows, several blocks, and a wide range of logits (x through an identity weight)."""
+    x = torch.randn(rows, 64)
+    weight = torch.randn(vocab, 64) / 4
+    expected = torch.log_softmax(x.double() @ weight.double().T, dim=-1)
+    out = torch.ops.fastattn.log_softmax_linear(
+        x, weight, torch.ops.fastattn.pack_linear_weight(weight))
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     logits = torch.randn(rows, vocab) * 30
-    if vocab > 1:
-        logits[:, -1] = float("-inf")
-    expected = torch.log_softmax(logits.double(), dim=-1)
-    out = torch.ops.fastattn.log_softmax_(logits)
-    assert out.data_ptr() == logits.data_ptr()  # in place
-    torch.testing.assert_close(out.double(), expected, rtol=2e-6, atol=2e-5)
+    identity = torch.eye(vocab)
+    out = torch.ops.fastattn.log_softmax_linear(
+        logits, identity, torch.ops.fastattn.pack_linear_weight(identity))
+    torch.testing.assert_close(out.double(), torch.log_softmax(logits.double(), -1), rtol=2e-6,
+                               atol=2e-5)
 
 
-def test_log_softmax_propagates_nan_and_keeps_other_dtypes():
-    logits = torch.randn(3, 50)
-    logits[1, 7] = float("nan")
-    out = torch.ops.fastattn.log_softmax_(logits)
-    assert out[1].isnan().all() and not out[[0, 2]].isnan().any()
-    x = torch.randn(4, 9, dtype=torch.float64)
-    expected = torch.log_softmax(x, -1)
-    torch.testing.assert_close(torch.ops.fastattn.log_softmax_(x), expected)
+def test_log_softmax_linear_propagates_nan_and_keeps_other_dtypes():
+    x, weight = torch.randn(20, 8), torch.randn(50, 8)
+    x[1, 3] = float("nan")
+    out = torch.ops.fastattn.log_softmax_linear(x, weight,
+                                                torch.ops.fastattn.pack_linear_weight(weight))
+    assert out[1].isnan().all() and not out[[0, *range(2, 20)]].isnan().any()
+    expected = torch.log_softmax(x[:3].double() @ weight.double().T, -1)
+    out = torch.ops.fastattn.log_softmax_linear(x[:3].double(), weight.double(), None)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9, equal_nan=True)
