@@ -544,7 +544,9 @@ class Transformer(nn.Module):
         x = self.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
         if self._native_decoder_step(x):
             # The whole stack in one call: a few-row step is dominated by per-op overhead.
-            params, panels, output_panels = self._native_decoder_weights()
+            if state.native_weights is None:  # once per decoding: weights do not change within
+                state.native_weights = self._native_decoder_weights()
+            params, panels, output_panels = state.native_weights
             x = torch.ops.fastattn.decoder_step(
                 x, params, state.self_k, state.self_v, state.history, state.length,
                 state.memory_k, state.memory_v,
@@ -611,6 +613,7 @@ class DecodingState:
         self.history: Tensor | None = None
         self.sentences: Tensor | None = None
         self.length = 0
+        self.native_weights: tuple[list[Tensor], list[Tensor], Tensor | None] | None = None
 
     @property
     def num_sentences(self) -> int:
