@@ -14,10 +14,6 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel: two 8-float vectors
 
-// Eight floats as one value: GCC emits one AVX register per v8 (two SSE registers in the
-// baseline clone). Plain loops over a float[16] accumulator were left scalar by the vectoriser.
-typedef float v8 __attribute__((vector_size(32), aligned(4)));
-
 // out[r, :width] = x[r] · panel + bias for R rows of x (rows D apart) and one panel (D, 16).
 template <int R>
 FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, const float *bias,
@@ -25,8 +21,8 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
   v8 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
   for (int64_t d = 0; d < D; ++d) {
-    const v8 w0 = *reinterpret_cast<const v8 *>(panel + d * kPanel);
-    const v8 w1 = *reinterpret_cast<const v8 *>(panel + d * kPanel + 8);
+    const v8 w0 = load8(panel + d * kPanel);
+    const v8 w1 = load8(panel + d * kPanel + 8);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * D + d];
       acc[r][0] += xv * w0;

@@ -18,6 +18,20 @@ namespace fastattn {
 // would cost more than its arithmetic.
 #define FASTATTN_INLINE inline __attribute__((always_inline))
 
+// Eight floats as one value: GCC emits one AVX register per v8 (two SSE registers in the baseline
+// clone), where plain loops over short rows were left scalar or wrapped in peeling code.
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef float v4 __attribute__((vector_size(16), aligned(4)));
+
+FASTATTN_INLINE v8 load8(const float *p) { return *reinterpret_cast<const v8 *>(p); }
+
+FASTATTN_INLINE float sum8(v8 a) {
+  v4 s = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  s += __builtin_shufflevector(s, s, 2, 3, 0, 1);
+  s += __builtin_shufflevector(s, s, 1, 0, 3, 2);
+  return s[0];
+}
+
 // e^x for x <= 0 (x minus a maximum), vectorisable where std::exp compiles to a scalar call:
 // 2^k · e^r with k = round(x / ln 2), |r| <= ln(2) / 2 and e^r by its Taylor polynomial to r^7
 // (relative error below 2^-23). Below -87 (e^-87 is near FLT_MIN), and for -inf, it is 0.
