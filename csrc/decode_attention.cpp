@@ -173,7 +173,7 @@ void attend_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v
   const scalar_t *bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
   const int64_t *rp = rows ? rows->data_ptr<int64_t>() : nullptr;
   scalar_t *op = out.data_ptr<scalar_t>();
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides();
+  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), os = out.strides();
   const int64_t bs0 = bias ? bias->stride(0) : 0, bs1 = bias ? bias->stride(1) : 0;
   const int64_t rs0 = rows ? rows->stride(0) : 0, rs1 = rows ? rows->stride(1) : 0;
   // Threads only pay off with some work per task: about 64k multiply-adds.
@@ -192,21 +192,32 @@ void attend_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v
       for (int64_t r = 0; r < R; ++r) {
         attend_query(qp + g * qs[0] + h * qs[1] + r * qs[2], keys.data(), values.data(),
                      bp ? biases.data() : nullptr, L, Dk, Dv, scale, p.data(),
-                     op + ((g * H + h) * R + r) * Dv);
+                     op + g * os[0] + h * os[1] + r * os[2]);
       }
     }
   });
 }
 
-// decode_attention without the checks: the decoder step's arguments are checked once.
-at::Tensor attend(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-                  const at::Tensor *bias, double scale, const at::Tensor *rows) {
+// decode_attention without the checks, into out (G, H, R, Dv), any strides with a unit last one.
+void attend(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor *bias,
+            double scale, const at::Tensor *rows, at::Tensor out) {
   const int64_t L = rows ? rows->size(1) : k.size(2);
-  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention", [&] {
     attend_kernel<scalar_t>(q, k, v, bias, static_cast<scalar_t>(scale), rows, L, out);
   });
-  return out;
+}
+
+// Writes the position's keys or values, columns [first, first + H·D) of x (N, >= first + H·D)
+// contiguous, into cache (rows >= N, H, capacity, D) at `position`.
+template <typename scalar_t>
+void store_position(const at::Tensor &x, int64_t first, scalar_t *cache,
+                    at::IntArrayRef cache_strides, int64_t H, int64_t D, int64_t position) {
+  const scalar_t *xp = x.data_ptr<scalar_t>();
+  const int64_t width = x.size(1);
+  for (int64_t n = 0; n < x.size(0); ++n)
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(cache + n * cache_strides[0] + h * cache_strides[1] + position * cache_strides[2],
+                  xp + n * width + first + h * D, D * sizeof(scalar_t));
 }
 
 void check_rows(const at::Tensor &rows, int64_t groups, int64_t keys, int64_t cache_rows,
@@ -248,7 +259,9 @@ at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const 
                 "decode_attention: bias must be (P, L) = (", k.size(0), ", ", L,
                 ") in q's dtype, got ", bias->sizes(), " ", bias->scalar_type());
   }
-  return attend(q, k, v, bias ? &*bias : nullptr, scale, rows ? &*rows : nullptr);
+  auto out = at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options());
+  attend(q, k, v, bias ? &*bias : nullptr, scale, rows ? &*rows : nullptr, out);
+  return out;
 }
 
 at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at::Tensor &self_k,
@@ -315,24 +328,25 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
       return linear_cpu(in, p[kWeight[i]], panels, p[kWeight[i] + 1]);
     };
     const auto qkv = linear(y, 0);
-    const auto q = qkv.narrow(1, 0, H * Dk).view({N, H, 1, Dk});
-    self_k[l].narrow(0, 0, N).select(2, length).copy_(
-        qkv.narrow(1, H * Dk, H * Dk).view({N, H, Dk}));
-    self_v[l].narrow(0, 0, N).select(2, length).copy_(
-        qkv.narrow(1, 2 * H * Dk, H * Dv).view({N, H, Dv}));
-    const auto a = attend(q, self_k[l], self_v[l], nullptr, scale, &rows);
-    add_layer_norm_(y, linear(a.view({N, H * Dv}), 1), p[4], p[5], eps);
+    AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "decoder_step", [&] {
+      store_position<scalar_t>(qkv, H * Dk, self_k.data_ptr<scalar_t>() + l * self_k.stride(0),
+                               self_k.strides().slice(1), H, Dk, length);
+      store_position<scalar_t>(qkv, 2 * H * Dk, self_v.data_ptr<scalar_t>() + l * self_v.stride(0),
+                               self_v.strides().slice(1), H, Dv, length);
+    });
+    auto a = at::empty({N, H * Dv}, y.options());
+    attend(qkv.narrow(1, 0, H * Dk).view({N, H, 1, Dk}), self_k[l], self_v[l], nullptr, scale,
+           &rows, a.view({N, H, 1, Dv}));
+    add_layer_norm_(y, linear(a, 1), p[4], p[5], eps);
     // Attention over the encoder output: rows grouped by sentence are that sentence's queries.
     const auto cq = linear(y, 2);
-    at::Tensor c;
+    auto c = at::empty({N, H * Dv}, y.options());
     if (memory_rows) {
-      c = attend(cq.view({N, H, 1, Dk}), memory_k[l], memory_v[l], bias, scale, &*memory_rows)
-              .view({N, H * Dv});
+      attend(cq.view({N, H, 1, Dk}), memory_k[l], memory_v[l], bias, scale, &*memory_rows,
+             c.view({N, H, 1, Dv}));
     } else {
-      c = attend(cq.view({B, N / B, H, Dk}).transpose(1, 2), memory_k[l], memory_v[l], bias,
-                 scale, nullptr)
-              .transpose(1, 2)
-              .reshape({N, H * Dv});
+      attend(cq.view({B, N / B, H, Dk}).transpose(1, 2), memory_k[l], memory_v[l], bias, scale,
+             nullptr, c.view({B, N / B, H, Dv}).transpose(1, 2));
     }
     add_layer_norm_(y, linear(c, 3), p[10], p[11], eps);
     // Feed-forward network.

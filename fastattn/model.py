@@ -651,11 +651,13 @@ class DecodingState:
         if len(rows) > self.self_k.shape[1]:  # more rows than cache rows: add some
             self.self_k, self.self_v = (_with_rows(c, len(rows), self.length)
                                         for c in (self.self_k, self.self_v))
-        sentences = self._sentence_of_rows().index_select(0, rows)
+        sentences = self._sentence_of_rows().index_select(0, rows)  # checks rows' range too
         history = self.history.new_empty((len(rows), self.capacity))
         torch.index_select(self.history[:, : self.length], 0, rows,
                            out=history[:, : self.length])
         self.history = history
+        if self.num_sentences == 1 and len(rows) > 0:  # batch 1: every row reads sentence 0
+            return
         live, sentences = torch.unique(sentences, return_inverse=True)
         if len(live) < self.num_sentences:  # finished sentences leave the batch
             self.memory_k = [k.index_select(0, live) for k in self.memory_k]
