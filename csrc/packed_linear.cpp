@@ -1,12 +1,13 @@
 #include "packed_linear.h"
 
-#include "log_softmax.h"
 #include "vector_math.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 namespace fastattn {
 
@@ -14,10 +15,46 @@ namespace {
 
 constexpr int64_t kPanel = 16;  // output features per panel: two 8-float vectors
 
-// out[r, :width] = x[r] · panel + bias for R rows of x (rows D apart) and one panel (D, 16).
+// A row's running log-sum-exp, as in online softmax: the largest value seen and, in 8 lanes, the
+// sums of e^(x - max) over the values seen. The lanes are rescaled only when the maximum grows
+// (rarely after the first panels), so adding 16 values costs two vector exps and no reduction.
+// A NaN makes the sum NaN.
+struct RowLse {
+  float max = -INFINITY;
+  v8 sum = {};
+
+  void add16(v8 a, v8 b) {
+    const float m = max8(a > b ? a : b);
+    if (m > max) {
+      sum *= exp_nonpositive(max - m);
+      max = m;
+    }
+    if (max != -INFINITY) sum += exp_nonpositive(a - max) + exp_nonpositive(b - max);
+  }
+
+  // The last panel's `width` values.
+  void add(const float *x, int64_t width) {
+    float padded[16];
+    std::fill(padded, padded + 16, -INFINITY);  // e^-inf adds 0
+    std::copy(x, x + width, padded);
+    add16(load8(padded), load8(padded + 8));
+  }
+
+  void merge(const RowLse &other) {
+    const float m = std::max(max, other.max);
+    if (m == -INFINITY) return;
+    sum = sum * exp_nonpositive(max - m) + other.sum * exp_nonpositive(other.max - m);
+    max = m;
+  }
+
+  float value() const { return max + std::log(sum8(sum)); }
+};
+
+// out[r, :width] = x[r] · panel + bias for R rows of x (rows D apart) and one panel (D, 16); with
+// lse, each row's values are added to its running log-sum-exp lse[r].
 template <int R>
 FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, const float *bias,
-                                float *out, int64_t out_stride, int64_t width) {
+                                float *out, int64_t out_stride, int64_t width, RowLse *lse) {
   v8 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
   for (int64_t d = 0; d < D; ++d) {
@@ -30,29 +67,59 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
     }
   }
   for (int r = 0; r < R; ++r) {
-    float sums[kPanel];
-    *reinterpret_cast<v8 *>(sums) = acc[r][0];
-    *reinterpret_cast<v8 *>(sums + 8) = acc[r][1];
-    for (int64_t c = 0; c < width; ++c) out[r * out_stride + c] = sums[c] + (bias ? bias[c] : 0.f);
+    if (width == kPanel) {
+      if (bias) {
+        acc[r][0] += load8(bias);
+        acc[r][1] += load8(bias + 8);
+      }
+      std::memcpy(out + r * out_stride, &acc[r][0], sizeof(v8));
+      std::memcpy(out + r * out_stride + 8, &acc[r][1], sizeof(v8));
+      if (lse) lse[r].add16(acc[r][0], acc[r][1]);
+    } else {  // the last panel
+      float sums[kPanel];
+      std::memcpy(sums, &acc[r][0], sizeof(v8));
+      std::memcpy(sums + 8, &acc[r][1], sizeof(v8));
+      for (int64_t c = 0; bias && c < width; ++c) sums[c] += bias[c];
+      std::memcpy(out + r * out_stride, sums, width * sizeof(float));
+      if (lse) lse[r].add(sums, width);
+    }
   }
 }
 
-// Panels [p0, p1) for all N rows: a panel stays in L1 while the rows pass over it.
+// Panels [p0, p1) for all N rows, 6 rows at a time (12 accumulators of the 16 AVX registers): a
+// panel stays in L1 while the rows pass over it, and the weight is read once. lse: none, or N
+// running log-sum-exps.
 FASTATTN_CLONES void panels(const float *x, int64_t N, int64_t D, const float *packed,
-                            const float *bias, int64_t O, int64_t p0, int64_t p1, float *out) {
+                            const float *bias, int64_t O, int64_t p0, int64_t p1, float *out,
+                            RowLse *lse) {
   for (int64_t p = p0; p < p1; ++p) {
     const float *panel = packed + p * D * kPanel;
     const float *b = bias ? bias + p * kPanel : nullptr;
     const int64_t width = std::min(kPanel, O - p * kPanel);
     float *o = out + p * kPanel;
+    const auto rows = [&](int64_t n) { return lse ? lse + n : nullptr; };
     int64_t n = 0;
-    for (; n + 4 <= N; n += 4) panel_rows<4>(x + n * D, D, panel, b, o + n * O, O, width);
+    for (; n + 6 <= N; n += 6) panel_rows<6>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
     switch (N - n) {
-      case 3: panel_rows<3>(x + n * D, D, panel, b, o + n * O, O, width); break;
-      case 2: panel_rows<2>(x + n * D, D, panel, b, o + n * O, O, width); break;
-      case 1: panel_rows<1>(x + n * D, D, panel, b, o + n * O, O, width); break;
+      case 5: panel_rows<5>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+      case 4: panel_rows<4>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+      case 3: panel_rows<3>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+      case 2: panel_rows<2>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+      case 1: panel_rows<1>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
     }
   }
+}
+
+// x[r, :] -= lse[r] for rows [begin, end) of O floats.
+FASTATTN_CLONES void subtract_rows(float *x, int64_t O, const float *lse, int64_t begin,
+                                   int64_t end) {
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t c = 0; c < O; ++c) x[r * O + c] -= lse[r];
+}
+
+// Threads only pay off with some work per task: about 64k multiply-adds.
+int64_t panel_grain(int64_t N, int64_t D) {
+  return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, N * D * kPanel));
 }
 
 }  // namespace
@@ -99,10 +166,8 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
   const float *xp = xc.data_ptr<float>(), *pp = packed->data_ptr<float>();
   const float *bp = bias ? bias->data_ptr<float>() : nullptr;
   float *op = out.data_ptr<float>();
-  // Threads only pay off with some work per task: about 64k multiply-adds.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, N * D * kPanel));
-  at::parallel_for(0, packed->size(0), grain, [&](int64_t p0, int64_t p1) {
-    panels(xp, N, D, pp, bp, O, p0, p1, op);
+  at::parallel_for(0, packed->size(0), panel_grain(N, D), [&](int64_t p0, int64_t p1) {
+    panels(xp, N, D, pp, bp, O, p0, p1, op, nullptr);
   });
   return out;
 }
@@ -112,26 +177,24 @@ at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
   if (!packed || x.dim() != 2 || x.scalar_type() != at::kFloat)
     return at::log_softmax(at::linear(x, weight), -1);
   check_packed(x, weight, *packed, std::nullopt, "log_softmax_linear");
-  constexpr int64_t kBlock = 16;  // 16 rows of a 16k vocabulary are 1 MB: they stay in L2
-  const int64_t N = x.size(0), D = x.size(1), O = weight.size(0), count = packed->size(0);
+  const int64_t N = x.size(0), D = x.size(1), O = weight.size(0);
   const auto xc = x.contiguous();
   auto out = at::empty({N, O}, x.options());
   const float *xp = xc.data_ptr<float>(), *pp = packed->data_ptr<float>();
   float *op = out.data_ptr<float>();
-  if (N <= kBlock) {  // one block: the threads share its panels, then its rows
-    const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, N * D * kPanel));
-    at::parallel_for(0, count, grain, [&](int64_t p0, int64_t p1) {
-      panels(xp, N, D, pp, nullptr, O, p0, p1, op);
-    });
-    at::parallel_for(0, N, 1, [&](int64_t r0, int64_t r1) { log_softmax_rows(op, O, r0, r1); });
-    return out;
+  // One pass over the weight writes the logits and each thread's running log-sum-exp of every
+  // row; the threads' sums are merged, then one pass subtracts them.
+  std::vector<std::vector<RowLse>> partial(at::get_num_threads(), std::vector<RowLse>(N));
+  at::parallel_for(0, packed->size(0), panel_grain(N, D), [&](int64_t p0, int64_t p1) {
+    panels(xp, N, D, pp, nullptr, O, p0, p1, op, partial[at::get_thread_num()].data());
+  });
+  std::vector<float> lse(N);
+  for (int64_t r = 0; r < N; ++r) {
+    for (size_t t = 1; t < partial.size(); ++t) partial[0][r].merge(partial[t][r]);
+    lse[r] = partial[0][r].value();
   }
-  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t first = b * kBlock, rows = std::min(kBlock, N - first);
-      panels(xp + first * D, rows, D, pp, nullptr, O, 0, count, op + first * O);
-      log_softmax_rows(op + first * O, O, 0, rows);
-    }
+  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / O), [&](int64_t begin, int64_t end) {
+    subtract_rows(op, O, lse.data(), begin, end);
   });
   return out;
 }

@@ -24,8 +24,8 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &bias);
 
 // log_softmax(x (N, D) @ weight.T) over the last dimension: the decoding step's output
-// distribution. With `packed` and float32, blocks of 16 rows are projected through the panels and
-// normalised while they are in cache (N x vocabulary logits need not fit); otherwise ATen.
+// distribution. With `packed` and float32 the panels' pass keeps a running log-sum-exp per row
+// (online softmax), so the N x vocabulary logits take one more pass, not three; otherwise ATen.
 at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                                   const std::optional<at::Tensor> &packed);
 

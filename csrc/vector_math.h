@@ -35,22 +35,51 @@ FASTATTN_INLINE float sum8(v8 a) {
 // e^x for x <= 0 (x minus a maximum), vectorisable where std::exp compiles to a scalar call:
 // 2^k · e^r with k = round(x / ln 2), |r| <= ln(2) / 2 and e^r by its Taylor polynomial to r^7
 // (relative error below 2^-23). Below -87 (e^-87 is near FLT_MIN), and for -inf, it is 0.
-FASTATTN_INLINE float exp_nonpositive(float x) {
-  const float y = x < -87.0f ? -87.0f : x;  // keeps 2^k a normal float
-  const int32_t k = -static_cast<int32_t>(y * -1.44269504f + 0.5f);  // round(y / ln 2), y <= 0
-  const float r = (y - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
-  float e = 1.0f / 5040;
-  e = e * r + 1.0f / 720;
+template <typename float_t>
+FASTATTN_INLINE float_t exp_polynomial(float_t r) {
+  float_t e = r * (1.0f / 5040) + 1.0f / 720;
   e = e * r + 1.0f / 120;
   e = e * r + 1.0f / 24;
   e = e * r + 1.0f / 6;
   e = e * r + 0.5f;
   e = e * r + 1.0f;
-  e = e * r + 1.0f;
+  return e * r + 1.0f;
+}
+
+FASTATTN_INLINE float exp_nonpositive(float x) {
+  const float y = x < -87.0f ? -87.0f : x;  // keeps 2^k a normal float
+  const int32_t k = -static_cast<int32_t>(y * -1.44269504f + 0.5f);  // round(y / ln 2), y <= 0
+  const float r = (y - k * 0.693145751953125f) - k * 1.428606765330187e-06f;
   const int32_t bits = (k + 127) << 23;
   float two_k;
   std::memcpy(&two_k, &bits, sizeof two_k);
-  return static_cast<float>(x >= -87.0f) * (e * two_k);
+  return static_cast<float>(x >= -87.0f) * (exp_polynomial(r) * two_k);
+}
+
+// The same for eight floats at once.
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+
+FASTATTN_INLINE v8 exp_nonpositive(v8 x) {
+  const v8 floor = v8{} - 87.0f;
+  const v8 y = x < floor ? floor : x;
+  const v8i k = -__builtin_convertvector(y * -1.44269504f + 0.5f, v8i);
+  const v8 kf = __builtin_convertvector(k, v8);
+  const v8 r = (y - kf * 0.693145751953125f) - kf * 1.428606765330187e-06f;
+  const v8i bits = (k + 127) << 23;
+  v8 two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return x < floor ? v8{} : exp_polynomial(r) * two_k;  // NaN stays NaN
+}
+
+FASTATTN_INLINE float max8(v8 a) {
+  v4 m = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+  const v4 hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  m = m > hi ? m : hi;
+  v4 s = __builtin_shufflevector(m, m, 2, 3, 0, 1);
+  m = m > s ? m : s;
+  s = __builtin_shufflevector(m, m, 1, 0, 3, 2);
+  m = m > s ? m : s;
+  return m[0];
 }
 
 }  // namespace fastattn
