@@ -577,7 +577,7 @@ class Transformer(nn.Module):
                         layer.cross_attention.q, layer.cross_attention.out,
                         layer.feed_forward.w1, layer.feed_forward.w2)
                        for layer in self.decoder.layers]
-            params = [p.detach() for layer, maps in zip(self.decoder.layers, linears)
+            params = [p.detach() for layer, maps in zip(self.decoder.layers, linears, strict=True)
                       for module in (*maps[:2], layer.self_attention_norm.norm, *maps[2:4],
                                      layer.cross_attention_norm.norm, *maps[4:],
                                      layer.feed_forward_norm.norm)
