@@ -1,6 +1,6 @@
 // Decoding on CPU. Attention: for each (group, head), every query row makes one pass over the
 // cached keys (scores, running max) and one over the values (weights, weighted sum). The decoder
-// step chains the post-norm layers with ATen's matmuls and these loops, in one call.
+// step chains the post-norm layers with packed_linear.h's linear maps and these loops, in one call.
 #include "decode_attention.h"
 
 #include "packed_linear.h"

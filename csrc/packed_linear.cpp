@@ -117,6 +117,21 @@ FASTATTN_CLONES void subtract_rows(float *x, int64_t O, const float *lse, int64_
     for (int64_t c = 0; c < O; ++c) x[r * O + c] -= lse[r];
 }
 
+void check_packed(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
+                  const std::optional<at::Tensor> &bias, const char *op) {
+  const int64_t D = x.size(1), O = weight.size(0), count = (O + kPanel - 1) / kPanel;
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == D, op, ": x ", x.sizes(), " and weight ",
+              weight.sizes(), " do not match");
+  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == count && packed.size(1) == D &&
+                  packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
+                  packed.is_contiguous(),
+              op, ": packed must be pack_linear_weight(weight), (", count, ", ", D, ", ", kPanel,
+              ") float32 contiguous, got ", packed.sizes());
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == O &&
+                        bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              op, ": bias must be a contiguous float32 (", O, ") tensor");
+}
+
 // Threads only pay off with some work per task: about 64k multiply-adds.
 int64_t panel_grain(int64_t N, int64_t D) {
   return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, N * D * kPanel));
@@ -133,25 +148,6 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor &weight) {
   padded.narrow(0, 0, O).copy_(weight);
   return padded.view({count, kPanel, D}).transpose(1, 2).contiguous();
 }
-
-namespace {
-
-void check_packed(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
-                  const std::optional<at::Tensor> &bias, const char *op) {
-  const int64_t D = x.size(1), O = weight.size(0), count = (O + kPanel - 1) / kPanel;
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == D, op, ": x ", x.sizes(), " and weight ",
-              weight.sizes(), " do not match");
-  TORCH_CHECK(packed.dim() == 3 && packed.size(0) == count && packed.size(1) == D &&
-                  packed.size(2) == kPanel && packed.scalar_type() == at::kFloat &&
-                  packed.is_contiguous(),
-              op, ": packed must be pack_linear_weight(weight), (", count, ", ", D, ", ", kPanel,
-              ") float32 contiguous, got ", packed.sizes());
-  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == O &&
-                        bias->scalar_type() == at::kFloat && bias->is_contiguous()),
-              op, ": bias must be a contiguous float32 (", O, ") tensor");
-}
-
-}  // namespace
 
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &packed,
