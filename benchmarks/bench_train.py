@@ -28,6 +28,7 @@ from benchmarks.common import (
     device_peak_flop_per_s,
     dtype_name,
     low_precision,
+    low_precision_has_hardware,
     measure,
 )
 from benchmarks.step_cost import (
@@ -114,8 +115,7 @@ def training_step(model: nn.Module, batch, precision: str):
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 def test_training_step(benchmark, preset, precision, impl):
-    if precision == "mixed" and DEVICE.type == "cpu" and not \
-            torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if precision == "mixed" and not low_precision_has_hardware():
         pytest.skip("this CPU has no bf16 instructions: bf16 matmuls take a generic path (a "
                     "multi30k step 20x slower than fp32), so fastattn.train uses fp32 here")
     cfg = PRESETS[preset]

@@ -18,6 +18,7 @@ from benchmarks.common import (
     device_peak_flop_per_s,
     dtype_name,
     low_precision,
+    low_precision_has_hardware,
 )
 
 torch.set_num_threads(CORES)
@@ -56,10 +57,11 @@ def environment() -> dict[str, object]:
         "triton": triton.__version__,
         "fastattn": fastattn.__version__,
         "python": platform.python_version(),
+        "low_precision_measured": low_precision_has_hardware(),
     }
     if DEVICE.type == "cuda":
         info["cuda"] = torch.version.cuda
-    for dtype in (torch.float32, low_precision()):
+    for dtype in (torch.float32,) + ((low_precision(),) if low_precision_has_hardware() else ()):
         peak = device_peak_flop_per_s(dtype)
         if peak is not None:
             name = dtype_name(dtype)

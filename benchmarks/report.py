@@ -358,6 +358,11 @@ def render(results: dict, compile_rows: list[dict] | None, compile_problem: str)
         f"- date {results.get('datetime', '?')[:19].replace('T', ' ')} UTC, commit "
         f"{commit.get('id', '?')[:10]}{' (uncommitted changes)' if commit.get('dirty') else ''}",
     ]
+    if env.get("low_precision_measured") is False:
+        lines.append(
+            "- float32 only: this CPU has no bf16 instructions (AVX-512 BF16, AMX), so bf16 "
+            "would time a generic fallback that fastattn.train does not use here"
+        )
     for key, basis in env.items():
         if key.endswith("_basis"):
             lines.append(
