@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.common import QUICK, measure
+from benchmarks.common import CORES, QUICK, measure
 from fastattn import data
 from fastattn.search import beam_search, beam_search_step_python
 
@@ -141,9 +141,21 @@ SYSTEMS = {"fastattn": lambda: fastattn_decode, "pytorch-plain": lambda: plain_d
            "ctranslate2-float32": ctranslate2_decoder}
 
 
+@pytest.fixture
+def threads(request):
+    """Every system runs with this many threads (CTranslate2's intra_threads, torch's threads):
+    all cores, and one, where a batch-1 search loses less to synchronisation."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("threads", sorted({CORES, 1}, reverse=True), indirect=True,
+                         ids=lambda n: f"{n}threads")
 @pytest.mark.parametrize("batch_size", [64, 1])
 @pytest.mark.parametrize("system", list(SYSTEMS))
-def test_decoding_throughput(benchmark, system, batch_size):
+def test_decoding_throughput(benchmark, system, batch_size, threads):
     decode = SYSTEMS[system]()
     sources = SOURCES[: SENTENCES[batch_size]]
     batches = [sources[i : i + batch_size] for i in range(0, len(sources), batch_size)]
@@ -151,9 +163,10 @@ def test_decoding_throughput(benchmark, system, batch_size):
     if system == "ctranslate2-float32":  # the outputs compared, as well as the speed
         info = {"same_greedy_outputs": same_outputs(decode, sources, 1),
                 "same_beam_outputs": same_outputs(decode, sources, BEAM)}
-    measure(benchmark, lambda: [decode(b) for b in batches], group=f"decoding-batch{batch_size}",
+    measure(benchmark, lambda: [decode(b) for b in batches],
+            group=f"decoding-batch{batch_size}-{threads}thread{'s' if threads > 1 else ''}",
             min_rounds=2, impl=system, baseline="ctranslate2-float32", sentences=len(sources),
-            beam=BEAM, length_penalty="pow", alpha=ALPHA, **info)
+            threads=threads, beam=BEAM, length_penalty="pow", alpha=ALPHA, **info)
 
 
 @pytest.mark.parametrize("impl", ["native", "python"])
