@@ -416,6 +416,9 @@ class Transformer(nn.Module):
         self.embedding = Embedding(cfg)
         self.encoder = Stack(cfg, EncoderLayer, cfg.encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.decoder_layers)
+        # _native_decoder_weights' cache and the parameter versions it was built from.
+        self._decoder_weights: tuple[list[Tensor], list[Tensor], Tensor | None] | None = None
+        self._decoder_weights_key: tuple | None = None
         for name, p in self.named_parameters():
             if name.endswith(".weight") and p.dim() == 2 and not name.startswith("embedding"):
                 nn.init.xavier_uniform_(p)
@@ -572,7 +575,7 @@ class Transformer(nn.Module):
         (fastattn::pack_linear_weight, the few-row layout). Built once and again only after a
         weight changed: in-place updates bump a tensor's _version."""
         key = tuple((p.data_ptr(), p._version) for p in self.parameters())
-        if getattr(self, "_decoder_weights_key", None) != key:
+        if self._decoder_weights_key != key:
             linears = [(layer.self_attention.qkv, layer.self_attention.out,
                         layer.cross_attention.q, layer.cross_attention.out,
                         layer.feed_forward.w1, layer.feed_forward.w2)
