@@ -74,3 +74,42 @@ def test_wmt_tokenize_splits_compounds_after_moses():
 def test_misaligned_inputs_are_an_error():
     with pytest.raises(ValueError, match="2 hypotheses but 1 references"):
         evaluate.tokenized_bleu(["a", "b"], ["a"])
+
+
+def test_cli_scores_a_translation_file_against_multi30k(tmp_path, capsys):
+    references = data.read_lines(data.multi30k_path("test2016", "de"))
+    hypotheses = references[:-1] + [""]  # an empty translation is a valid (bad) translation
+    path = tmp_path / "hyp.de"
+    path.write_text("\n".join(hypotheses) + "\n", encoding="utf-8")
+    evaluate.main(["--hyp", str(path), "--multi30k", "test2016", "--lang", "de"])
+    lines = capsys.readouterr().out.splitlines()
+    official = data.read_lines(data.multi30k_path("test2016", "de", tokenized=True))
+    sacre, signature = evaluate.sacre_bleu(hypotheses, references)
+    assert lines[0] == f"BLEU {sacre:.2f}  {signature}"
+    tokenized = evaluate.multi30k_bleu(hypotheses, official, "de")
+    assert lines[1].startswith(f"tokenized BLEU {tokenized:.2f}  (lowercased")
+    assert sacre < 100
+
+
+def test_cli_with_plain_references_uses_the_wmt_convention(tmp_path, capsys):
+    (tmp_path / "ref").write_text("Ein Links-Rechts-Test.\nZwei Hunde.\n", encoding="utf-8")
+    (tmp_path / "hyp").write_text("Ein Links-Rechts-Test.\nDrei Hunde.\n", encoding="utf-8")
+    evaluate.main(["--hyp", str(tmp_path / "hyp"), "--ref", str(tmp_path / "ref"), "--lang", "de"])
+    expected = evaluate.wmt_bleu(["Ein Links-Rechts-Test.", "Drei Hunde."],
+                                 ["Ein Links-Rechts-Test.", "Zwei Hunde."], "de")
+    assert f"tokenized BLEU {expected:.2f}  (cased" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ref", "REF"], "3 hypotheses but 2 references"),
+    (["--ref", "MISSING"], "MISSING: no such file"),
+    (["--multi30k", "train"], "tokenized references for val and test2016 only"),
+])
+def test_cli_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
+    (tmp_path / "hyp").write_text("a\nb\nc\n", encoding="utf-8")
+    (tmp_path / "REF").write_text("a\nb\n", encoding="utf-8")
+    argv = [str(tmp_path / a) if a in ("REF", "MISSING") else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(["--hyp", str(tmp_path / "hyp"), "--lang", "de", *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
