@@ -121,20 +121,25 @@ def train_sentencepiece(
     Train it on both sides of the training text for a joint vocabulary (the paper shares one
     source-target BPE vocabulary). The ids are fixed: pad 0, unk 1, bos 2, eos 3."""
     buffer = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(sentences),
-        model_writer=buffer,
-        vocab_size=vocab_size,
-        model_type=model_type,
-        character_coverage=1.0,
-        pad_id=PAD_ID,
-        unk_id=UNK_ID,
-        bos_id=BOS_ID,
-        eos_id=EOS_ID,
-        num_threads=threads,
-        input_sentence_size=0,  # use every sentence: no sampling, so training is deterministic
-        minloglevel=2,
-    )
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=buffer,
+            vocab_size=vocab_size,
+            model_type=model_type,
+            character_coverage=1.0,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            num_threads=threads,
+            input_sentence_size=0,  # every sentence: no sampling, so training is deterministic
+            minloglevel=2,
+        )
+    except RuntimeError as e:  # e.g. fewer pieces than distinct characters, or more than possible
+        reason = str(e).split("] ", 1)[-1]
+        raise DataError(f"cannot build a {vocab_size}-piece vocabulary from this text "
+                        f"(SentencePiece: {reason})") from None
     return buffer.getvalue()
 
 

@@ -113,6 +113,16 @@ def test_sentencepiece_joint_model_is_deterministic_and_round_trips():
     assert sp.decode(ids) == SENTENCES[:3]
 
 
+@pytest.mark.parametrize("vocab_size, reason", [
+    (5, "smaller than required_chars"),  # fewer pieces than distinct characters
+    (100_000, "too high"),  # more pieces than the text can give
+])
+def test_impossible_vocabulary_size_is_a_clear_error(vocab_size, reason):
+    message = f"cannot build a {vocab_size}-piece vocabulary.*{reason}"
+    with pytest.raises(data.DataError, match=message):
+        data.train_sentencepiece(SENTENCES, vocab_size=vocab_size)
+
+
 def test_filter_by_length_counts():
     src = [[5] * n for n in (1, 4, 9, 2, 3)]
     tgt = [[5] * n for n in (1, 4, 2, 7, 0)]
