@@ -5,6 +5,7 @@
 
 #include "beam_search.h"
 #include "decode_attention.h"
+#include "layer_norm.h"
 #include "packed_linear.h"
 
 TORCH_LIBRARY_FRAGMENT(fastattn, m) {
@@ -23,6 +24,15 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
   m.def("log_softmax_linear(Tensor x, Tensor weight, Tensor? packed) -> Tensor");
+  m.def(
+      "cpu_layer_norm_residual_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, "
+      "int seed, float eps, float dropout_p, bool return_residual) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "cpu_layer_norm_residual_bwd(Tensor dy, Tensor? dsum, Tensor x, Tensor? residual, "
+      "Tensor? weight, bool has_bias, int seed, Tensor mean, Tensor rstd, float dropout_p) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("cpu_dropout(Tensor x, int seed, float dropout_p) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
@@ -32,6 +42,9 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("pack_linear_weight", &fastattn::pack_linear_weight_cpu);
   m.impl("linear", &fastattn::linear_cpu);
   m.impl("log_softmax_linear", &fastattn::log_softmax_linear_cpu);
+  m.impl("cpu_layer_norm_residual_fwd", &fastattn::layer_norm_residual_fwd_cpu);
+  m.impl("cpu_layer_norm_residual_bwd", &fastattn::layer_norm_residual_bwd_cpu);
+  m.impl("cpu_dropout", &fastattn::dropout_cpu);
 }
 
 #ifdef FASTATTN_WITH_CUDA

@@ -24,6 +24,7 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
 FASTATTN_INLINE v8 load8(const float *p) { return *reinterpret_cast<const v8 *>(p); }
+FASTATTN_INLINE void store8(float *p, v8 a) { *reinterpret_cast<v8 *>(p) = a; }
 
 FASTATTN_INLINE float sum8(v8 a) {
   v4 s = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);

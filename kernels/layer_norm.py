@@ -29,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fastattn._native import native
 from fastattn.backend import use_triton
 
 MAX_FEATURES = 16384  # one row lives in registers; wider rows would spill
@@ -38,6 +39,16 @@ def _use_kernel(x: torch.Tensor) -> bool:
     """Whether to run the Triton kernels, which compute in fp32: float64, the reference
     precision, always runs on PyTorch."""
     return x.dtype != torch.float64 and use_triton(x)
+
+
+def _use_native(*tensors: torch.Tensor | None) -> bool:
+    """Whether the ops run fastattn._C's CPU kernels (float32 CPU tensors where Triton does not
+    run): one pass per row with a counter-based dropout mask instead of PyTorch's serial
+    generator, the add and the LayerNorm as separate passes."""
+    return native is not None and all(
+        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and not use_triton(t))
+        for t in tensors
+    )
 
 
 @triton.jit
@@ -256,6 +267,11 @@ def _layer_norm_residual_fwd(
     return_residual: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, sum or empty, mean, rstd) for 2-D x and residual with unit column stride."""
+    if _use_native(x):
+        return torch.ops.fastattn.cpu_layer_norm_residual_fwd(
+            x, residual, weight, bias, 0 if seed is None else int(seed), eps, dropout_p,
+            return_residual,
+        )
     M, N = x.shape
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = torch.empty((M, N), dtype=dtype, device=x.device)
@@ -302,6 +318,11 @@ def _layer_norm_residual_bwd(
     M, N = x.shape
     dy = dy.contiguous()
     dsum = None if dsum is None else dsum.contiguous()
+    if _use_native(x):
+        return torch.ops.fastattn.cpu_layer_norm_residual_bwd(
+            dy, dsum, x, residual, weight, has_bias, 0 if seed is None else int(seed), mean, rstd,
+            dropout_p,
+        )
     dx = torch.empty_like(x)
     store_dr = _separate_dresidual(x, residual, dropout_p)
     dr = torch.empty_like(residual) if store_dr else _empty(x)
@@ -381,13 +402,42 @@ def _draw_seed(device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
 
 
+@torch.library.custom_op("fastattn::seeded_dropout", mutates_args=())
+def _seeded_dropout(x: torch.Tensor, seed: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """x · keep / (1 - p) on CPU float32, keep a function of (seed, position): fastattn._C's
+    cpu_dropout, with layer_norm_residual's mask. Its backward is itself applied to the grad."""
+    return torch.ops.fastattn.cpu_dropout(x, int(seed), dropout_p)
+
+
+@_seeded_dropout.register_fake
+def _(x, seed, dropout_p):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _seeded_dropout_setup_context(ctx, inputs, output):
+    ctx.seed, ctx.dropout_p = inputs[1], inputs[2]
+
+
+torch.library.register_autograd(
+    "fastattn::seeded_dropout",
+    lambda ctx, grad: (_seeded_dropout(grad, ctx.seed, ctx.dropout_p), None, None),
+    setup_context=_seeded_dropout_setup_context,
+)
+
+
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """F.dropout(x, p, training). On CPU the keep mask comes from torch.rand: PyTorch's
-    bernoulli_ there is 4x slower than rand, and dropout was a fifth of a small model's step."""
+    """F.dropout(x, p, training) for p in [0, 1). On CPU PyTorch draws masks from a serial
+    generator (dropout was a fifth of a small model's step), so float32 takes fastattn._C's
+    counter-based mask (as layer_norm_residual's) and other dtypes compare torch.rand against p
+    (bernoulli_ is 4x slower than rand there). GPUs run F.dropout."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p, training)
+    if _use_native(x):
+        return _seeded_dropout(x, _draw_seed(x.device), p)
     return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
 
 
@@ -422,9 +472,10 @@ def layer_norm_residual(
     applied to x with probability `dropout_p`: pass 0.0 outside training. With
     `return_residual=True` returns (y, residual + dropout(x)), the stream a pre-norm stack
     carries on. The output dtype is the promotion of x's and residual's dtypes. The Triton
-    kernel handles N <= MAX_FEATURES; wider rows raise ValueError there. The PyTorch path (CPU,
-    FASTATTN_BACKEND=torch, float64) is dropout(), an add and F.layer_norm, with no row limit.
-    Both draw their dropout randomness from torch's generator: torch.manual_seed reproduces it.
+    kernel handles N <= MAX_FEATURES; wider rows raise ValueError there. On CPU, float32 runs
+    fastattn._C's one-pass kernel (no row limit); other CPU dtypes and float64 run dropout(), an
+    add and F.layer_norm. All draw their dropout randomness from torch's generator:
+    torch.manual_seed reproduces it.
     """
     N = x.shape[-1]
     if residual is not None and residual.shape != x.shape:
@@ -434,11 +485,11 @@ def layer_norm_residual(
             raise ValueError(f"{name} must have shape ({N},), got {tuple(p.shape)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if x.numel() == 0 or not _use_kernel(x):
+    if x.numel() == 0 or not (_use_kernel(x) or _use_native(x, residual, weight, bias)):
         h = dropout(x, dropout_p)
         y, s = layer_norm_residual_reference(h, residual, weight, bias, eps)
         return (y, s) if return_residual else y
-    if N > MAX_FEATURES:
+    if _use_kernel(x) and N > MAX_FEATURES:
         raise ValueError(
             f"layer_norm_residual's Triton kernel supports at most {MAX_FEATURES} features per "
             f"row, got {N}"

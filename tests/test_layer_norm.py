@@ -7,6 +7,7 @@ from fastattn.backend import use_triton
 from fastattn.kernels.layer_norm import (
     MAX_FEATURES,
     _dropout_keep_mask,
+    _use_native,
     forward_bytes,
     layer_norm_residual_reference,
 )
@@ -125,6 +126,39 @@ def test_dropout_mask_statistics():
     assert not torch.equal(keep, _dropout_keep_mask(x, 0.3))  # each call draws a fresh seed
 
 
+def test_dropout_mask_has_no_visible_structure():
+    """Keep decisions of neighbouring columns and rows are independent, per column and per row
+    rates sit at 1 - p: the counter-based hash must not leak its counters into the mask."""
+    keep = _dropout_keep_mask(torch.zeros(4096, 128), 0.3).float()
+    rate = 0.7
+    for a, b in ((keep[:, 1:], keep[:, :-1]), (keep[1:], keep[:-1])):
+        assert abs((a * b).mean().item() - rate**2) < 0.005  # independent: P(both) = rate²
+    assert (keep.mean(0) - rate).abs().max() < 0.04  # 4096 draws a column: std 0.007
+    assert (keep.mean(1) - rate).abs().max() < 0.2  # 128 draws a row: std 0.04
+    assert len({tuple(row.tolist()) for row in keep.bool()}) == len(keep)
+
+
+def test_many_rows_with_dropout_against_float64():
+    """Enough rows that the CPU kernel splits them across threads and sums dweight and dbias from
+    per-block partials; outputs and all gradients within 2x PyTorch's float32 error."""
+    g = torch.Generator().manual_seed(11)
+    shape = (997, 130)
+    masters = [torch.randn(*shape, generator=g, dtype=torch.float64),
+               torch.randn(*shape, generator=g, dtype=torch.float64),
+               torch.randn(130, generator=g, dtype=torch.float64),
+               torch.randn(130, generator=g, dtype=torch.float64)]
+    grads = (torch.randn(*shape, generator=g, dtype=torch.float64),
+             torch.randn(*shape, generator=g, dtype=torch.float64))
+    torch.manual_seed(4)
+    out, dparams = _run(_ours, masters, [torch.float32] * 4, grads, dropout_p=0.2)
+    torch.manual_seed(4)
+    keep = _dropout_keep_mask(masters[0].float(), 0.2)
+    exact_out, exact_grads = _run(_reference(keep, 0.2), masters, [torch.float64] * 4, grads)
+    lowp_out, lowp_grads = _run(_reference(keep, 0.2), masters, [torch.float32] * 4, grads)
+    _check(out, exact_out, lowp_out, torch.float32)
+    _check(dparams, exact_grads, lowp_grads, torch.float32)
+
+
 def test_dropout_reproducible_under_manual_seed():
     x, r = torch.randn(2, 4, 100), torch.randn(2, 4, 100)
     torch.manual_seed(7)
@@ -149,6 +183,12 @@ def test_standalone_dropout(dtype):
     y.backward(grad_out)
     torch.testing.assert_close(x.grad, (grad_out.double() * keep / 0.7).to(dtype))
     assert dropout(x, 0.3, training=False) is x and dropout(x, 0.0) is x
+    torch.manual_seed(2)
+    again = dropout(x, 0.3)
+    torch.manual_seed(2)
+    assert torch.equal(again, dropout(x, 0.3))
+    with pytest.raises(ValueError, match=r"dropout probability must be in \[0, 1\), got 1.0"):
+        dropout(x, 1.0)
 
 
 def test_widest_supported_row():
@@ -160,9 +200,9 @@ def test_rows_beyond_the_kernel_limit():
     if use_triton(x):
         with pytest.raises(ValueError, match=f"at most {MAX_FEATURES} features"):
             layer_norm_residual(x, x, None, None)
-    else:  # PyTorch has no row limit
+    else:  # neither fastattn._C's CPU kernel nor PyTorch has a row limit
         exact, _ = layer_norm_residual_reference(x.double(), x.double(), None, None)
-        torch.testing.assert_close(layer_norm_residual(x, x, None, None).double(), exact)
+        torch.testing.assert_close(layer_norm_residual(x, x, None, None), exact.float())
 
 
 def test_returns_only_y_by_default_and_keeps_shape():
@@ -206,9 +246,9 @@ def test_forward_bytes():
 
 
 @pytest.mark.skipif(
-    not use_triton(torch.empty(0)),
-    reason="the fastattn::layer_norm_residual_* ops run the Triton kernels, which this backend "
-    "(FASTATTN_BACKEND=torch, or auto on CPU) does not use",
+    not (use_triton(torch.empty(0)) or _use_native(torch.empty(0))),
+    reason="the fastattn::layer_norm_residual_* ops run the Triton kernels or fastattn._C's CPU "
+    "kernels: this backend uses neither (FASTATTN_BACKEND=torch without a built fastattn._C)",
 )
 def test_custom_op_registration():
     x, r = torch.randn(5, 40, requires_grad=True), torch.randn(5, 40, requires_grad=True)
@@ -217,6 +257,17 @@ def test_custom_op_registration():
     torch.library.opcheck(
         torch.ops.fastattn.layer_norm_residual_fwd.default,
         (x, r, w, b, seed, 1e-5, 0.25, True),
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
+
+
+@pytest.mark.skipif(not _use_native(torch.empty(0)),
+                    reason="fastattn::seeded_dropout runs on CPU float32 with fastattn._C only, "
+                    "and not under the Triton interpreter")
+def test_seeded_dropout_registration():
+    torch.library.opcheck(
+        torch.ops.fastattn.seeded_dropout.default,
+        (torch.randn(5, 40, requires_grad=True), torch.tensor([9]), 0.25),
         test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
     )
 

@@ -1,0 +1,354 @@
+#include "layer_norm.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "vector_math.h"
+
+namespace fastattn {
+namespace {
+
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+
+// Wellons' lowbias32: a bijective 32-bit hash in which flipping any input bit flips each output
+// bit with probability close to 1/2, so consecutive counters hash to independent-looking bits.
+template <typename T>
+FASTATTN_INLINE T mix32(T x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// One call's dropout: element (row, col) is kept when the top 24 bits of
+// mix32(key(row) + col), as a fraction of 2^24, are >= p; kept elements are scaled by 1 / (1 - p).
+struct Dropout {
+  bool on = false;
+  float p = 0, scale = 1;
+  uint32_t seed_lo = 0, seed_hi = 0;
+
+  Dropout() = default;
+  Dropout(int64_t seed, double dropout_p)
+      : on(dropout_p > 0),
+        p(static_cast<float>(dropout_p)),
+        scale(static_cast<float>(1.0 / (1.0 - dropout_p))),
+        seed_lo(static_cast<uint32_t>(seed)),
+        seed_hi(static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32)) {}
+
+  uint32_t key(int64_t row) const {
+    const uint64_t r = static_cast<uint64_t>(row);
+    return mix32(mix32(seed_lo ^ mix32(static_cast<uint32_t>(r))) ^
+                 (seed_hi + static_cast<uint32_t>(r >> 32)));
+  }
+
+  // x · keep / (1 - p) for columns col .. col + 7 (dropped elements are 0, even inf or NaN).
+  FASTATTN_INLINE v8 apply8(v8 x, uint32_t key, int64_t col) const {
+    const v8u bits = mix32(v8u{0, 1, 2, 3, 4, 5, 6, 7} + (key + static_cast<uint32_t>(col)));
+    const v8 u = __builtin_convertvector((v8i)(bits >> 8), v8) * (1.0f / 16777216.0f);
+    return u >= p ? x * scale : v8{};
+  }
+
+  FASTATTN_INLINE float apply1(float x, uint32_t key, int64_t col) const {
+    const uint32_t bits = mix32(key + static_cast<uint32_t>(col));
+    const float u = static_cast<float>(static_cast<int32_t>(bits >> 8)) * (1.0f / 16777216.0f);
+    return u >= p ? x * scale : 0.0f;
+  }
+};
+
+// out = residual + dropout(x) over one row of n; returns the row's sum.
+template <bool kDropout, bool kResidual>
+FASTATTN_INLINE float add_row(const float *x, const float *r, float *out, int64_t n,
+                              const Dropout &d, uint32_t key) {
+  v8 acc{};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    v8 v = load8(x + c);
+    if constexpr (kDropout) v = d.apply8(v, key, c);
+    if constexpr (kResidual) v += load8(r + c);
+    store8(out + c, v);
+    acc += v;
+  }
+  float total = sum8(acc);
+  for (; c < n; ++c) {
+    float v = x[c];
+    if constexpr (kDropout) v = d.apply1(v, key, c);
+    if constexpr (kResidual) v += r[c];
+    out[c] = v;
+    total += v;
+  }
+  return total;
+}
+
+FASTATTN_INLINE float centered_square_sum(const float *s, int64_t n, float mean) {
+  v8 acc{};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8) {
+    const v8 v = load8(s + c) - mean;
+    acc += v * v;
+  }
+  float total = sum8(acc);
+  for (; c < n; ++c) total += (s[c] - mean) * (s[c] - mean);
+  return total;
+}
+
+struct Rows {
+  const float *x, *r, *w, *b;  // w and b are never null: ones and zeros stand in
+  int64_t sx, sr, n;
+  Dropout d;
+};
+
+struct Forward : Rows {
+  float *y, *sum, *mean, *rstd;  // sum may be null
+  int64_t sy, ss;
+  float eps;
+};
+
+template <bool kDropout, bool kResidual>
+FASTATTN_INLINE void forward_rows_impl(const Forward &a, int64_t row0, int64_t row1) {
+  const int64_t n = a.n;
+  for (int64_t row = row0; row < row1; ++row) {
+    float *y = a.y + row * a.sy;
+    const float total = add_row<kDropout, kResidual>(a.x + row * a.sx, a.r + row * a.sr, y, n,
+                                                     a.d, kDropout ? a.d.key(row) : 0);
+    const float mean = total / n;
+    const float rstd = 1.0f / std::sqrt(centered_square_sum(y, n, mean) / n + a.eps);
+    if (a.sum != nullptr) std::memcpy(a.sum + row * a.ss, y, n * sizeof(float));
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8)
+      store8(y + c, (load8(y + c) - mean) * rstd * load8(a.w + c) + load8(a.b + c));
+    for (; c < n; ++c) y[c] = (y[c] - mean) * rstd * a.w[c] + a.b[c];
+    a.mean[row] = mean;
+    a.rstd[row] = rstd;
+  }
+}
+
+FASTATTN_CLONES void forward_rows(const Forward &a, int64_t row0, int64_t row1) {
+  const bool residual = a.r != nullptr;
+  if (a.d.on && residual) return forward_rows_impl<true, true>(a, row0, row1);
+  if (a.d.on) return forward_rows_impl<true, false>(a, row0, row1);
+  if (residual) return forward_rows_impl<false, true>(a, row0, row1);
+  forward_rows_impl<false, false>(a, row0, row1);
+}
+
+struct Backward : Rows {
+  const float *dy, *dsum, *mean, *rstd;  // dsum may be null
+  float *dx, *dr, *dw, *db;  // dx, dr contiguous, dr null when it equals dx; dw, db: the block's
+  int64_t sdy, sdsum;
+};
+
+// One block of rows: dx, dr, and the block's partial dweight, dbias (accumulated into a.dw, a.db).
+// `work` holds a row: the recomputed sum, then x̂.
+template <bool kDropout, bool kResidual>
+FASTATTN_INLINE void backward_rows_impl(const Backward &a, int64_t row0, int64_t row1,
+                                        float *work) {
+  const int64_t n = a.n;
+  for (int64_t row = row0; row < row1; ++row) {
+    const uint32_t key = kDropout ? a.d.key(row) : 0;
+    add_row<kDropout, kResidual>(a.x + row * a.sx, a.r + row * a.sr, work, n, a.d, key);
+    const float mean = a.mean[row], rstd = a.rstd[row];
+    const float *dy = a.dy + row * a.sdy;
+    // With g = dy · w and x̂ = (s - mean) · rstd: ds = rstd · (g - mean(g) - x̂ · mean(g · x̂)).
+    v8 acc_g{}, acc_gx{};
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+      const v8 xhat = (load8(work + c) - mean) * rstd, g = load8(dy + c) * load8(a.w + c);
+      store8(work + c, xhat);
+      acc_g += g;
+      acc_gx += g * xhat;
+      store8(a.dw + c, load8(a.dw + c) + load8(dy + c) * xhat);
+      store8(a.db + c, load8(a.db + c) + load8(dy + c));
+    }
+    float sum_g = sum8(acc_g), sum_gx = sum8(acc_gx);
+    for (; c < n; ++c) {
+      const float xhat = (work[c] - mean) * rstd, g = dy[c] * a.w[c];
+      work[c] = xhat;
+      sum_g += g;
+      sum_gx += g * xhat;
+      a.dw[c] += dy[c] * xhat;
+      a.db[c] += dy[c];
+    }
+    const float mean_g = sum_g / n, mean_gx = sum_gx / n;
+    const float *dsum = a.dsum == nullptr ? nullptr : a.dsum + row * a.sdsum;
+    float *dx = a.dx + row * n, *dr = a.dr == nullptr ? nullptr : a.dr + row * n;
+    for (c = 0; c + 8 <= n; c += 8) {
+      v8 ds = (load8(dy + c) * load8(a.w + c) - mean_g - load8(work + c) * mean_gx) * rstd;
+      if (dsum != nullptr) ds += load8(dsum + c);
+      if (dr != nullptr) store8(dr + c, ds);
+      store8(dx + c, kDropout ? a.d.apply8(ds, key, c) : ds);
+    }
+    for (; c < n; ++c) {
+      float ds = (dy[c] * a.w[c] - mean_g - work[c] * mean_gx) * rstd;
+      if (dsum != nullptr) ds += dsum[c];
+      if (dr != nullptr) dr[c] = ds;
+      dx[c] = kDropout ? a.d.apply1(ds, key, c) : ds;
+    }
+  }
+}
+
+FASTATTN_CLONES void backward_rows(const Backward &a, int64_t row0, int64_t row1, float *work) {
+  const bool residual = a.r != nullptr;
+  if (a.d.on && residual) return backward_rows_impl<true, true>(a, row0, row1, work);
+  if (a.d.on) return backward_rows_impl<true, false>(a, row0, row1, work);
+  if (residual) return backward_rows_impl<false, true>(a, row0, row1, work);
+  backward_rows_impl<false, false>(a, row0, row1, work);
+}
+
+FASTATTN_CLONES void dropout_rows(const float *x, float *y, int64_t row0, int64_t row1, int64_t n,
+                                  const Dropout &d) {
+  for (int64_t row = row0; row < row1; ++row) {
+    const float *xr = x + row * n;
+    float *yr = y + row * n;
+    const uint32_t key = d.key(row);
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) store8(yr + c, d.apply8(load8(xr + c), key, c));
+    for (; c < n; ++c) yr[c] = d.apply1(xr[c], key, c);
+  }
+}
+
+void check_rows(const char *name, const at::Tensor &t, int64_t m, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "layer_norm_residual (CPU): ",
+              name, " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == m && t.size(1) == n && (n <= 1 || t.stride(1) == 1),
+              "layer_norm_residual (CPU): ", name, " must be (", m, ", ", n,
+              ") with unit column stride, got ", t.sizes(), " strides ", t.strides());
+}
+
+void check_vector(const char *name, const std::optional<at::Tensor> &t, int64_t n) {
+  if (!t) return;
+  TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->dim() == 1 &&
+                  t->size(0) == n && t->is_contiguous(),
+              "layer_norm_residual (CPU): ", name, " must be a contiguous float32 (", n,
+              ",) CPU tensor, got ", t->scalar_type(), " ", t->sizes());
+}
+
+void check_dropout(double dropout_p) {
+  TORCH_CHECK(dropout_p >= 0 && dropout_p < 1, "dropout_p must be in [0, 1), got ", dropout_p);
+}
+
+// Row grain for at::parallel_for: about 16k elements per task.
+int64_t row_grain(int64_t n) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1)); }
+
+// weight or ones, bias or zeros: the loops always read both.
+const float *or_fill(const std::optional<at::Tensor> &t, std::vector<float> &fill, float value,
+                     int64_t n) {
+  if (t) return t->data_ptr<float>();
+  fill.assign(n, value);
+  return fill.data();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_fwd_cpu(
+    const at::Tensor &x, const std::optional<at::Tensor> &residual,
+    const std::optional<at::Tensor> &weight, const std::optional<at::Tensor> &bias,
+    int64_t seed, double eps, double dropout_p, bool return_residual) {
+  TORCH_CHECK(x.dim() == 2, "layer_norm_residual (CPU): x must be 2-D, got ", x.sizes());
+  const int64_t m = x.size(0), n = x.size(1);
+  check_rows("x", x, m, n);
+  if (residual) check_rows("residual", *residual, m, n);
+  check_vector("weight", weight, n);
+  check_vector("bias", bias, n);
+  check_dropout(dropout_p);
+  at::Tensor y = at::empty({m, n}, x.options());
+  at::Tensor sum = return_residual ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
+  at::Tensor mean = at::empty({m}, x.options()), rstd = at::empty({m}, x.options());
+  std::vector<float> ones, zeros;
+  Forward a{};
+  a.x = x.data_ptr<float>();
+  a.sx = x.stride(0);
+  a.r = residual ? residual->data_ptr<float>() : nullptr;
+  a.sr = residual ? residual->stride(0) : 0;
+  a.w = or_fill(weight, ones, 1.0f, n);
+  a.b = or_fill(bias, zeros, 0.0f, n);
+  a.n = n;
+  a.d = Dropout(seed, dropout_p);
+  a.y = y.data_ptr<float>();
+  a.sy = n;
+  a.sum = return_residual ? sum.data_ptr<float>() : nullptr;
+  a.ss = n;
+  a.mean = mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.eps = static_cast<float>(eps);
+  at::parallel_for(0, m, row_grain(n),
+                   [&](int64_t row0, int64_t row1) { forward_rows(a, row0, row1); });
+  return {y, sum, mean, rstd};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_bwd_cpu(
+    const at::Tensor &dy, const std::optional<at::Tensor> &dsum, const at::Tensor &x,
+    const std::optional<at::Tensor> &residual, const std::optional<at::Tensor> &weight,
+    bool has_bias, int64_t seed, const at::Tensor &mean, const at::Tensor &rstd,
+    double dropout_p) {
+  TORCH_CHECK(x.dim() == 2, "layer_norm_residual (CPU): x must be 2-D, got ", x.sizes());
+  const int64_t m = x.size(0), n = x.size(1);
+  check_rows("x", x, m, n);
+  check_rows("dy", dy, m, n);
+  if (dsum) check_rows("dsum", *dsum, m, n);
+  if (residual) check_rows("residual", *residual, m, n);
+  check_vector("weight", weight, n);
+  check_vector("mean", mean, m);
+  check_vector("rstd", rstd, m);
+  check_dropout(dropout_p);
+  // dresidual equals dx unless dropout scales dx (the dtypes are equal: float32).
+  const bool separate = residual.has_value() && dropout_p > 0;
+  at::Tensor dx = at::empty({m, n}, x.options());
+  at::Tensor dr = separate ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
+  const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), m));
+  at::Tensor dw = at::zeros({blocks, n}, x.options()), db = at::zeros({blocks, n}, x.options());
+  std::vector<float> ones;
+  Backward a{};
+  a.x = x.data_ptr<float>();
+  a.sx = x.stride(0);
+  a.r = residual ? residual->data_ptr<float>() : nullptr;
+  a.sr = residual ? residual->stride(0) : 0;
+  a.w = or_fill(weight, ones, 1.0f, n);
+  a.b = nullptr;
+  a.n = n;
+  a.d = Dropout(seed, dropout_p);
+  a.dy = dy.data_ptr<float>();
+  a.sdy = dy.stride(0);
+  a.dsum = dsum ? dsum->data_ptr<float>() : nullptr;
+  a.sdsum = dsum ? dsum->stride(0) : 0;
+  a.mean = mean.data_ptr<float>();
+  a.rstd = rstd.data_ptr<float>();
+  a.dx = dx.data_ptr<float>();
+  a.dr = separate ? dr.data_ptr<float>() : nullptr;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> work(n);
+    for (int64_t block = b0; block < b1; ++block) {
+      Backward part = a;
+      part.dw = dw.data_ptr<float>() + block * n;
+      part.db = db.data_ptr<float>() + block * n;
+      backward_rows(part, block * m / blocks, (block + 1) * m / blocks, work.data());
+    }
+  });
+  // Absent gradients are distinct empty tensors: an op's outputs may not alias each other.
+  return {dx, dr, weight ? dw.sum(0) : at::empty({0}, x.options()),
+          has_bias ? db.sum(0) : at::empty({0}, x.options())};
+}
+
+at::Tensor dropout_cpu(const at::Tensor &x, int64_t seed, double dropout_p) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
+              "dropout (CPU): x must be a float32 CPU tensor, got ", x.scalar_type(), " on ",
+              x.device());
+  check_dropout(dropout_p);
+  const at::Tensor input = x.contiguous();
+  at::Tensor y = at::empty_like(input);
+  const int64_t n = input.dim() == 0 ? 1 : input.size(-1);
+  const int64_t m = n == 0 ? 0 : input.numel() / n;
+  const Dropout d(seed, dropout_p);
+  const float *xp = input.data_ptr<float>();
+  float *yp = y.data_ptr<float>();
+  at::parallel_for(0, m, row_grain(n),
+                   [&](int64_t row0, int64_t row1) { dropout_rows(xp, yp, row0, row1, n, d); });
+  return y;
+}
+
+}  // namespace fastattn
