@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "beam_search.h"
+#include "cross_entropy.h"
 #include "decode_attention.h"
 #include "layer_norm.h"
 #include "packed_linear.h"
@@ -33,6 +34,9 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "Tensor? weight, bool has_bias, int seed, Tensor mean, Tensor rstd, float dropout_p) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("cpu_dropout(Tensor x, int seed, float dropout_p) -> Tensor");
+  m.def(
+      "cpu_cross_entropy_grad(Tensor(a!) logits, Tensor target, Tensor row_weight, "
+      "float smoothing, int ignore_index) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
@@ -45,6 +49,7 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("cpu_layer_norm_residual_fwd", &fastattn::layer_norm_residual_fwd_cpu);
   m.impl("cpu_layer_norm_residual_bwd", &fastattn::layer_norm_residual_bwd_cpu);
   m.impl("cpu_dropout", &fastattn::dropout_cpu);
+  m.impl("cpu_cross_entropy_grad", &fastattn::cross_entropy_grad_cpu);
 }
 
 #ifdef FASTATTN_WITH_CUDA

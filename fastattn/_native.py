@@ -5,6 +5,10 @@ from __future__ import annotations
 import warnings
 from types import ModuleType
 
+import torch
+
+from fastattn.backend import use_triton
+
 
 def _load() -> ModuleType | None:
     try:
@@ -20,3 +24,12 @@ def _load() -> ModuleType | None:
 
 
 native: ModuleType | None = _load()
+
+
+def native_cpu(*tensors: torch.Tensor | None) -> bool:
+    """Whether fastattn._C's CPU training kernels take these tensors (None ones ignored): float32
+    CPU tensors where the Triton kernels do not run (they do under TRITON_INTERPRET=1)."""
+    return native is not None and all(
+        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and not use_triton(t))
+        for t in tensors
+    )

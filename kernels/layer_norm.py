@@ -29,7 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastattn._native import native
+from fastattn._native import native_cpu
 from fastattn.backend import use_triton
 
 MAX_FEATURES = 16384  # one row lives in registers; wider rows would spill
@@ -39,16 +39,6 @@ def _use_kernel(x: torch.Tensor) -> bool:
     """Whether to run the Triton kernels, which compute in fp32: float64, the reference
     precision, always runs on PyTorch."""
     return x.dtype != torch.float64 and use_triton(x)
-
-
-def _use_native(*tensors: torch.Tensor | None) -> bool:
-    """Whether the ops run fastattn._C's CPU kernels (float32 CPU tensors where Triton does not
-    run): one pass per row with a counter-based dropout mask instead of PyTorch's serial
-    generator, the add and the LayerNorm as separate passes."""
-    return native is not None and all(
-        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and not use_triton(t))
-        for t in tensors
-    )
 
 
 @triton.jit
@@ -267,7 +257,7 @@ def _layer_norm_residual_fwd(
     return_residual: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, sum or empty, mean, rstd) for 2-D x and residual with unit column stride."""
-    if _use_native(x):
+    if native_cpu(x):
         return torch.ops.fastattn.cpu_layer_norm_residual_fwd(
             x, residual, weight, bias, 0 if seed is None else int(seed), eps, dropout_p,
             return_residual,
@@ -318,7 +308,7 @@ def _layer_norm_residual_bwd(
     M, N = x.shape
     dy = dy.contiguous()
     dsum = None if dsum is None else dsum.contiguous()
-    if _use_native(x):
+    if native_cpu(x):
         return torch.ops.fastattn.cpu_layer_norm_residual_bwd(
             dy, dsum, x, residual, weight, has_bias, 0 if seed is None else int(seed), mean, rstd,
             dropout_p,
@@ -436,7 +426,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p, training)
-    if _use_native(x):
+    if native_cpu(x):
         return _seeded_dropout(x, _draw_seed(x.device), p)
     return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
 
@@ -485,7 +475,7 @@ def layer_norm_residual(
             raise ValueError(f"{name} must have shape ({N},), got {tuple(p.shape)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if x.numel() == 0 or not (_use_kernel(x) or _use_native(x, residual, weight, bias)):
+    if x.numel() == 0 or not (_use_kernel(x) or native_cpu(x, residual, weight, bias)):
         h = dropout(x, dropout_p)
         y, s = layer_norm_residual_reference(h, residual, weight, bias, eps)
         return (y, s) if return_residual else y

@@ -211,6 +211,40 @@ def test_linear_matches_float64_reference(small_chunks, bias, smoothing, reducti
     _assert_within(out, exact, torch_fp32, 2e-6)
 
 
+@pytest.mark.parametrize("vocab", [1, 17, 97, 1023])
+@pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: logits spread over hundreds
+def test_linear_odd_vocabularies(small_chunks, vocab, scale):
+    """Vocabularies that are not a multiple of the CPU kernel's 8-float vectors, and logits wide
+    enough that exp underflows for most classes."""
+    g = torch.Generator().manual_seed(vocab)
+    rows, features = 13, 16
+    masters = [torch.randn(rows, features, generator=g, dtype=torch.float64) * scale,
+               torch.randn(vocab, features, generator=g, dtype=torch.float64) / 3]
+    target = _target(rows, vocab)
+    target[3] = -100
+
+    def ours(h, w):
+        return linear_cross_entropy(h, w, target, None, 0.1, return_nll=True)
+
+    def reference(h, w):
+        return cross_entropy_reference(F.linear(h, w), target, 0.1)
+
+    leaves = lambda dtype: [m.to(dtype, copy=True).requires_grad_() for m in masters]
+    out, grad_output = _loss_and_grads(ours, leaves(torch.float32))
+    exact, _ = _loss_and_grads(reference, leaves(torch.float64), grad_output)
+    torch_fp32, _ = _loss_and_grads(reference, leaves(torch.float32), grad_output)
+    _assert_within(out, exact, torch_fp32, 2e-6)
+
+
+def test_linear_nan_logits_propagate(small_chunks):
+    hidden = torch.randn(6, 8)
+    hidden[2, 0] = float("nan")
+    hidden.requires_grad_()
+    loss = linear_cross_entropy(hidden, torch.randn(40, 8), torch.arange(6), smoothing=0.1)
+    loss.backward()
+    assert loss.isnan() and hidden.grad[2].isnan().all()
+
+
 def test_linear_all_ignored_is_zero_not_nan(small_chunks):
     hidden = torch.randn(12, 8, requires_grad=True)
     weight = torch.randn(64, 8, requires_grad=True)

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
+from fastattn._native import native_cpu
 from fastattn.backend import use_triton
 from fastattn.kernels.layer_norm import (
     MAX_FEATURES,
     _dropout_keep_mask,
-    _use_native,
     forward_bytes,
     layer_norm_residual_reference,
 )
@@ -246,7 +246,7 @@ def test_forward_bytes():
 
 
 @pytest.mark.skipif(
-    not (use_triton(torch.empty(0)) or _use_native(torch.empty(0))),
+    not (use_triton(torch.empty(0)) or native_cpu(torch.empty(0))),
     reason="the fastattn::layer_norm_residual_* ops run the Triton kernels or fastattn._C's CPU "
     "kernels: this backend uses neither (FASTATTN_BACKEND=torch without a built fastattn._C)",
 )
@@ -261,7 +261,7 @@ def test_custom_op_registration():
     )
 
 
-@pytest.mark.skipif(not _use_native(torch.empty(0)),
+@pytest.mark.skipif(not native_cpu(torch.empty(0)),
                     reason="fastattn::seeded_dropout runs on CPU float32 with fastattn._C only, "
                     "and not under the Triton interpreter")
 def test_seeded_dropout_registration():

@@ -1,0 +1,100 @@
+#include "cross_entropy.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "vector_math.h"
+
+namespace fastattn {
+namespace {
+
+struct Rows {
+  float *logits;
+  const int64_t *target;
+  const float *row_weight;
+  float *loss, *nll;
+  int64_t stride, V, ignore_index;
+  float smoothing;
+};
+
+FASTATTN_CLONES void cross_entropy_rows(const Rows &a, int64_t row0, int64_t row1) {
+  const int64_t V = a.V;
+  for (int64_t row = row0; row < row1; ++row) {
+    float *x = a.logits + row * a.stride;
+    const int64_t t = a.target[row];
+    if (t == a.ignore_index) {
+      std::fill(x, x + V, 0.0f);
+      a.loss[row] = a.nll[row] = 0.0f;
+      continue;
+    }
+    // Pass 1: the maximum and the sum of the logits.
+    v8 lane_max = v8{} - INFINITY, lane_sum{};
+    int64_t c = 0;
+    for (; c + 8 <= V; c += 8) {
+      const v8 v = load8(x + c);
+      lane_max = v > lane_max ? v : lane_max;
+      lane_sum += v;
+    }
+    float max = max8(lane_max), total = sum8(lane_sum);
+    for (int64_t j = c; j < V; ++j) {
+      max = std::max(max, x[j]);
+      total += x[j];
+    }
+    const float x_t = x[t];
+    // Pass 2: e^(x - max) in place, and its sum: the only exp of each logit.
+    v8 lane_exp{};
+    for (c = 0; c + 8 <= V; c += 8) {
+      const v8 e = exp_nonpositive(load8(x + c) - max);
+      store8(x + c, e);
+      lane_exp += e;
+    }
+    float sum_exp = sum8(lane_exp);
+    for (int64_t j = c; j < V; ++j) sum_exp += x[j] = exp_nonpositive(x[j] - max);
+    const float lse = max + std::log(sum_exp), logp_t = x_t - lse;
+    a.nll[row] = -logp_t;
+    a.loss[row] = (1 - a.smoothing) * -logp_t + a.smoothing * (lse - total / V);
+    // Pass 3: the gradient w (softmax - ε / V), the row still in cache; at the true class,
+    // where p_t - 1 cancels, it is formed as expm1(log p_t).
+    const float w = a.row_weight[row], scale = w / sum_exp, shift = w * a.smoothing / V;
+    for (c = 0; c + 8 <= V; c += 8) store8(x + c, load8(x + c) * scale - shift);
+    for (; c < V; ++c) x[c] = x[c] * scale - shift;
+    x[t] = w * (std::expm1(logp_t) + a.smoothing * (1 - 1.0f / V));
+  }
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> cross_entropy_grad_cpu(const at::Tensor &logits,
+                                                         const at::Tensor &target,
+                                                         const at::Tensor &row_weight,
+                                                         double smoothing, int64_t ignore_index) {
+  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+                  logits.dim() == 2 && (logits.size(1) <= 1 || logits.stride(1) == 1),
+              "cross_entropy_grad (CPU): logits must be a 2-D float32 CPU tensor with unit "
+              "column stride, got ", logits.scalar_type(), " ", logits.sizes(), " on ",
+              logits.device());
+  const int64_t N = logits.size(0), V = logits.size(1);
+  TORCH_CHECK(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == N &&
+                  target.is_contiguous(),
+              "cross_entropy_grad (CPU): target must be a contiguous int64 (", N, ",) tensor");
+  TORCH_CHECK(row_weight.scalar_type() == at::kFloat && row_weight.dim() == 1 &&
+                  row_weight.size(0) == N && row_weight.is_contiguous(),
+              "cross_entropy_grad (CPU): row_weight must be a contiguous float32 (", N,
+              ",) tensor");
+  const int64_t *t = target.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r)
+    TORCH_CHECK(t[r] == ignore_index || (0 <= t[r] && t[r] < V), "cross_entropy_grad (CPU): ",
+                "target ", t[r], " at row ", r, " is outside [0, ", V, ") and not ignore_index");
+  at::Tensor loss = at::empty({N}, logits.options()), nll = at::empty({N}, logits.options());
+  const Rows a{logits.data_ptr<float>(),  t,      row_weight.data_ptr<float>(),
+               loss.data_ptr<float>(),    nll.data_ptr<float>(), logits.stride(0),
+               V,                         ignore_index, static_cast<float>(smoothing)};
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)),
+                   [&](int64_t row0, int64_t row1) { cross_entropy_rows(a, row0, row1); });
+  return {loss, nll};
+}
+
+}  // namespace fastattn
