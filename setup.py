@@ -3,6 +3,7 @@ CUDA toolkit and a CUDA build of PyTorch are present. Metadata lives in pyprojec
 
 import glob
 import os
+import sys
 
 import torch
 from setuptools import setup
@@ -10,6 +11,12 @@ from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, C
 
 # No floating-point traps are used: without them GCC vectorises loops with conversions.
 cxx_flags = ["-O3", "-std=c++17", "-fno-trapping-math"]
+# at::parallel_for is inline OpenMP in ATen's headers: without -fopenmp every loop of the extension
+# runs on one thread. Linking libgomp.so.1 reuses the one torch has loaded (same soname).
+link_flags = []
+if torch.backends.openmp.is_available() and sys.platform.startswith("linux"):
+    cxx_flags.append("-fopenmp")
+    link_flags.append("-fopenmp")
 sources = sorted(glob.glob("csrc/*.cpp"))
 with_cuda = (
     torch.version.cuda is not None
@@ -22,8 +29,10 @@ if with_cuda:
         sources + sorted(glob.glob("csrc/*.cu")),
         define_macros=[("FASTATTN_WITH_CUDA", None)],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+        extra_link_args=link_flags,
     )
 else:
-    ext = CppExtension("fastattn._C", sources, extra_compile_args={"cxx": cxx_flags})
+    ext = CppExtension("fastattn._C", sources, extra_compile_args={"cxx": cxx_flags},
+                       extra_link_args=link_flags)
 
 setup(ext_modules=[ext], cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)})
