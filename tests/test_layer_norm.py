@@ -129,11 +129,11 @@ def test_dropout_mask_statistics():
 def test_dropout_mask_has_no_visible_structure():
     """Keep decisions of neighbouring columns and rows are independent, per column and per row
     rates sit at 1 - p: the counter-based hash must not leak its counters into the mask."""
-    keep = _dropout_keep_mask(torch.zeros(4096, 128), 0.3).float()
+    keep = _dropout_keep_mask(torch.zeros(1024, 128), 0.3).float()
     rate = 0.7
     for a, b in ((keep[:, 1:], keep[:, :-1]), (keep[1:], keep[:-1])):
-        assert abs((a * b).mean().item() - rate**2) < 0.005  # independent: P(both) = rate²
-    assert (keep.mean(0) - rate).abs().max() < 0.04  # 4096 draws a column: std 0.007
+        assert abs((a * b).mean().item() - rate**2) < 0.007  # independent: P(both) = rate²
+    assert (keep.mean(0) - rate).abs().max() < 0.07  # 1024 draws a column: std 0.014
     assert (keep.mean(1) - rate).abs().max() < 0.2  # 128 draws a row: std 0.04
     assert len({tuple(row.tolist()) for row in keep.bool()}) == len(keep)
 
@@ -142,7 +142,7 @@ def test_many_rows_with_dropout_against_float64():
     """Enough rows that the CPU kernel splits them across threads and sums dweight and dbias from
     per-block partials; outputs and all gradients within 2x PyTorch's float32 error."""
     g = torch.Generator().manual_seed(11)
-    shape = (997, 130)
+    shape = (301, 130)  # the CPU kernel gives each thread at least 126 rows of 130
     masters = [torch.randn(*shape, generator=g, dtype=torch.float64),
                torch.randn(*shape, generator=g, dtype=torch.float64),
                torch.randn(130, generator=g, dtype=torch.float64),
