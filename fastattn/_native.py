@@ -26,10 +26,13 @@ def _load() -> ModuleType | None:
 native: ModuleType | None = _load()
 
 
-def native_cpu(*tensors: torch.Tensor | None) -> bool:
+def native_cpu(*tensors: torch.Tensor | None, upcast: bool = False) -> bool:
     """Whether fastattn._C's CPU training kernels take these tensors (None ones ignored): float32
-    CPU tensors where the Triton kernels do not run (they do under TRITON_INTERPRET=1)."""
+    CPU tensors where the Triton kernels do not run (they do under TRITON_INTERPRET=1). With
+    `upcast`, also bfloat16 and float16 ones, which the caller converts to float32 first: under
+    CPU autocast the conversions cost less than the unfused PyTorch chain they replace."""
+    dtypes = (torch.float32, torch.bfloat16, torch.float16) if upcast else (torch.float32,)
     return native is not None and all(
-        t is None or (t.device.type == "cpu" and t.dtype == torch.float32 and not use_triton(t))
+        t is None or (t.device.type == "cpu" and t.dtype in dtypes and not use_triton(t))
         for t in tensors
     )

@@ -383,6 +383,10 @@ def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
@@ -417,17 +421,18 @@ torch.library.register_autograd(
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """F.dropout(x, p, training) for p in [0, 1). On CPU PyTorch draws masks from a serial
-    generator (dropout was a fifth of a small model's step), so float32 takes fastattn._C's
-    counter-based mask (as layer_norm_residual's) and other dtypes compare torch.rand against p
-    (bernoulli_ is 4x slower than rand there). GPUs run F.dropout."""
+    generator (dropout was a fifth of a small model's step), so float32, bfloat16 and float16
+    take fastattn._C's counter-based mask (layer_norm_residual's), computed in float32, and
+    float64 compares torch.rand against p (bernoulli_ is 4x slower than rand there). GPUs run
+    F.dropout."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p, training)
-    if native_cpu(x):
-        return _seeded_dropout(x, _draw_seed(x.device), p)
+    if native_cpu(x, upcast=True):
+        return _seeded_dropout(x.float(), _draw_seed(x.device), p).to(x.dtype)
     return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
 
 
@@ -463,9 +468,9 @@ def layer_norm_residual(
     `return_residual=True` returns (y, residual + dropout(x)), the stream a pre-norm stack
     carries on. The output dtype is the promotion of x's and residual's dtypes. The Triton
     kernel handles N <= MAX_FEATURES; wider rows raise ValueError there. On CPU, float32 runs
-    fastattn._C's one-pass kernel (no row limit); other CPU dtypes and float64 run dropout(), an
-    add and F.layer_norm. All draw their dropout randomness from torch's generator:
-    torch.manual_seed reproduces it.
+    fastattn._C's one-pass kernel (no row limit), bfloat16 and float16 run it on float32 copies,
+    and float64 runs dropout(), an add and F.layer_norm. All draw their dropout randomness from
+    torch's generator: torch.manual_seed reproduces it.
     """
     N = x.shape[-1]
     if residual is not None and residual.shape != x.shape:
@@ -475,6 +480,14 @@ def layer_norm_residual(
             raise ValueError(f"{name} must have shape ({N},), got {tuple(p.shape)}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    mixed = x.dtype != torch.float32 or (residual is not None and residual.dtype != x.dtype)
+    if mixed and x.numel() and native_cpu(x, residual, weight, bias, upcast=True):
+        dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        out = layer_norm_residual(
+            x.float(), _float(residual), _float(weight), _float(bias), eps, dropout_p,
+            return_residual,
+        )
+        return tuple(t.to(dtype) for t in out) if return_residual else out.to(dtype)
     if x.numel() == 0 or not (_use_kernel(x) or native_cpu(x, residual, weight, bias)):
         h = dropout(x, dropout_p)
         y, s = layer_norm_residual_reference(h, residual, weight, bias, eps)
