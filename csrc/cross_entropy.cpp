@@ -5,14 +5,44 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "vector_math.h"
 
 namespace fastattn {
 namespace {
 
+// bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to nearest
+// even (a NaN whose payload sits only in the low half would become inf: both are caught by the
+// trainer's non-finite guard).
+using fastattn::load8;  // the float overloads, beside the bfloat16 ones below
+using fastattn::store8;
+
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+
+FASTATTN_INLINE v8 load8(const c10::BFloat16 *p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8u bits = __builtin_convertvector(h, v8u) << 16;
+  v8 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+FASTATTN_INLINE void store8(c10::BFloat16 *p, v8 a) {
+  v8u bits;
+  std::memcpy(&bits, &a, sizeof bits);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  const v8h h = __builtin_convertvector(bits >> 16, v8h);
+  std::memcpy(p, &h, sizeof h);
+}
+
+template <typename T>
 struct Rows {
-  float *logits;
+  T *logits;
   const int64_t *target;
   const float *row_weight;
   float *loss, *nll;
@@ -20,13 +50,19 @@ struct Rows {
   float smoothing;
 };
 
-FASTATTN_CLONES void cross_entropy_rows(const Rows &a, int64_t row0, int64_t row1) {
+// Rows of float32 logits are worked on in place; rows of bfloat16 ones in a float32 copy of the
+// row, so that e^(x - max) keeps full precision until the gradient is rounded once.
+template <typename T>
+FASTATTN_INLINE void cross_entropy_rows(const Rows<T> &a, int64_t row0, int64_t row1) {
+  constexpr bool in_place = std::is_same_v<T, float>;
   const int64_t V = a.V;
+  std::vector<float> copy(in_place ? 0 : V);
   for (int64_t row = row0; row < row1; ++row) {
-    float *x = a.logits + row * a.stride;
+    T *out = a.logits + row * a.stride;
+    float *x = in_place ? reinterpret_cast<float *>(out) : copy.data();
     const int64_t t = a.target[row];
     if (t == a.ignore_index) {
-      std::fill(x, x + V, 0.0f);
+      std::fill(out, out + V, T(0));
       a.loss[row] = a.nll[row] = 0.0f;
       continue;
     }
@@ -34,12 +70,14 @@ FASTATTN_CLONES void cross_entropy_rows(const Rows &a, int64_t row0, int64_t row
     v8 lane_max = v8{} - INFINITY, lane_sum{};
     int64_t c = 0;
     for (; c + 8 <= V; c += 8) {
-      const v8 v = load8(x + c);
+      const v8 v = load8(out + c);
+      if constexpr (!in_place) store8(x + c, v);
       lane_max = v > lane_max ? v : lane_max;
       lane_sum += v;
     }
     float max = max8(lane_max), total = sum8(lane_sum);
     for (int64_t j = c; j < V; ++j) {
+      x[j] = static_cast<float>(out[j]);
       max = std::max(max, x[j]);
       total += x[j];
     }
@@ -59,10 +97,36 @@ FASTATTN_CLONES void cross_entropy_rows(const Rows &a, int64_t row0, int64_t row
     // Pass 3: the gradient w (softmax - ε / V), the row still in cache; at the true class,
     // where p_t - 1 cancels, it is formed as expm1(log p_t).
     const float w = a.row_weight[row], scale = w / sum_exp, shift = w * a.smoothing / V;
-    for (c = 0; c + 8 <= V; c += 8) store8(x + c, load8(x + c) * scale - shift);
-    for (; c < V; ++c) x[c] = x[c] * scale - shift;
-    x[t] = w * (std::expm1(logp_t) + a.smoothing * (1 - 1.0f / V));
+    for (c = 0; c + 8 <= V; c += 8) store8(out + c, load8(x + c) * scale - shift);
+    for (; c < V; ++c) out[c] = static_cast<T>(x[c] * scale - shift);
+    out[t] = static_cast<T>(w * (std::expm1(logp_t) + a.smoothing * (1 - 1.0f / V)));
   }
+}
+
+FASTATTN_CLONES void cross_entropy_rows_float(const Rows<float> &a, int64_t row0, int64_t row1) {
+  cross_entropy_rows(a, row0, row1);
+}
+
+FASTATTN_CLONES void cross_entropy_rows_bfloat16(const Rows<c10::BFloat16> &a, int64_t row0,
+                                                 int64_t row1) {
+  cross_entropy_rows(a, row0, row1);
+}
+
+template <typename T>
+void cross_entropy_grad(const at::Tensor &logits, const int64_t *target,
+                        const at::Tensor &row_weight, const at::Tensor &loss,
+                        const at::Tensor &nll, double smoothing, int64_t ignore_index) {
+  const int64_t N = logits.size(0), V = logits.size(1);
+  const Rows<T> a{logits.data_ptr<T>(),   target,           row_weight.data_ptr<float>(),
+                  loss.data_ptr<float>(), nll.data_ptr<float>(), logits.stride(0),
+                  V,                      ignore_index,     static_cast<float>(smoothing)};
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)),
+                   [&](int64_t row0, int64_t row1) {
+                     if constexpr (std::is_same_v<T, float>)
+                       cross_entropy_rows_float(a, row0, row1);
+                     else
+                       cross_entropy_rows_bfloat16(a, row0, row1);
+                   });
 }
 
 }  // namespace
@@ -71,10 +135,11 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_grad_cpu(const at::Tensor &logi
                                                          const at::Tensor &target,
                                                          const at::Tensor &row_weight,
                                                          double smoothing, int64_t ignore_index) {
-  TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat &&
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(logits.device().is_cpu() && (dtype == at::kFloat || dtype == at::kBFloat16) &&
                   logits.dim() == 2 && (logits.size(1) <= 1 || logits.stride(1) == 1),
-              "cross_entropy_grad (CPU): logits must be a 2-D float32 CPU tensor with unit "
-              "column stride, got ", logits.scalar_type(), " ", logits.sizes(), " on ",
+              "cross_entropy_grad (CPU): logits must be a 2-D float32 or bfloat16 CPU tensor "
+              "with unit column stride, got ", logits.scalar_type(), " ", logits.sizes(), " on ",
               logits.device());
   const int64_t N = logits.size(0), V = logits.size(1);
   TORCH_CHECK(target.scalar_type() == at::kLong && target.dim() == 1 && target.size(0) == N &&
@@ -88,12 +153,12 @@ std::tuple<at::Tensor, at::Tensor> cross_entropy_grad_cpu(const at::Tensor &logi
   for (int64_t r = 0; r < N; ++r)
     TORCH_CHECK(t[r] == ignore_index || (0 <= t[r] && t[r] < V), "cross_entropy_grad (CPU): ",
                 "target ", t[r], " at row ", r, " is outside [0, ", V, ") and not ignore_index");
-  at::Tensor loss = at::empty({N}, logits.options()), nll = at::empty({N}, logits.options());
-  const Rows a{logits.data_ptr<float>(),  t,      row_weight.data_ptr<float>(),
-               loss.data_ptr<float>(),    nll.data_ptr<float>(), logits.stride(0),
-               V,                         ignore_index, static_cast<float>(smoothing)};
-  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)),
-                   [&](int64_t row0, int64_t row1) { cross_entropy_rows(a, row0, row1); });
+  const auto fp32 = logits.options().dtype(at::kFloat);
+  at::Tensor loss = at::empty({N}, fp32), nll = at::empty({N}, fp32);
+  if (dtype == at::kFloat)
+    cross_entropy_grad<float>(logits, t, row_weight, loss, nll, smoothing, ignore_index);
+  else
+    cross_entropy_grad<c10::BFloat16>(logits, t, row_weight, loss, nll, smoothing, ignore_index);
   return {loss, nll};
 }
 

@@ -1,7 +1,7 @@
 // Label-smoothed cross-entropy and its gradient on a chunk of logits, for CPU training: the
-// float32 CPU implementation inside kernels/cross_entropy.py's linear_cross_entropy. PyTorch needs
-// five passes over the chunk (log_softmax, sum, exp, scale, shift); here each row is read twice
-// and written once while it sits in cache.
+// float32 and bfloat16 CPU implementation inside kernels/cross_entropy.py's linear_cross_entropy.
+// PyTorch needs five passes over the chunk (log_softmax, sum, exp, scale, shift); here each row
+// is read twice and written once while it sits in cache, and computed in float32.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,7 +10,8 @@
 
 namespace fastattn {
 
-// logits (N, V) float32 with unit column stride, target (N,) int64, row_weight (N,) float32.
+// logits (N, V) float32 or bfloat16 with unit column stride, target (N,) int64, row_weight (N,)
+// float32.
 // Overwrites logits with d(sum_r row_weight_r loss_r) / dlogits and returns fp32 per-row
 // (loss, nll), where with ε = smoothing and lse the row's log-sum-exp
 //   nll = lse - x_t,   loss = (1 - ε) nll + ε (lse - mean_j x_j),

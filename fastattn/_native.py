@@ -26,12 +26,12 @@ def _load() -> ModuleType | None:
 native: ModuleType | None = _load()
 
 
-def native_cpu(*tensors: torch.Tensor | None, upcast: bool = False) -> bool:
-    """Whether fastattn._C's CPU training kernels take these tensors (None ones ignored): float32
-    CPU tensors where the Triton kernels do not run (they do under TRITON_INTERPRET=1). With
-    `upcast`, also bfloat16 and float16 ones, which the caller converts to float32 first: under
-    CPU autocast the conversions cost less than the unfused PyTorch chain they replace."""
-    dtypes = (torch.float32, torch.bfloat16, torch.float16) if upcast else (torch.float32,)
+FLOAT32 = (torch.float32,)
+
+
+def native_cpu(*tensors: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = FLOAT32) -> bool:
+    """Whether fastattn._C's CPU training kernels take these tensors (None ones ignored): CPU
+    tensors of `dtypes` where the Triton kernels do not run (they do under TRITON_INTERPRET=1)."""
     return native is not None and all(
         t is None or (t.device.type == "cpu" and t.dtype in dtypes and not use_triton(t))
         for t in tensors

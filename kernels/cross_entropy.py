@@ -24,9 +24,9 @@ each chunk's logits are overwritten with their gradient in one reused buffer (th
 own) and folded into dhidden, dweight (fp32) and dbias straight away: in the forward when the
 loss is reduced to a scalar, so the backward only scales by grad_output, and in a recomputing
 backward for reduction="none". Peak extra memory is one chunk plus an fp32 dweight, against the
-unfused pair's logits and their gradient in full. On a CPU with fastattn._C built, float32 chunks
-go through its cross_entropy_grad: loss, nll and gradient with each row read twice and written
-once, where PyTorch's ops pass over the chunk five times.
+unfused pair's logits and their gradient in full. On a CPU with fastattn._C built, float32 and
+bfloat16 chunks go through its cross_entropy_grad: loss, nll and gradient computed in float32
+with each row read twice and written once, where PyTorch's ops pass over the chunk five times.
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_inde
 def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index):
     """(loss, nll) of a logits chunk, linear_cross_entropy's own buffer, which is overwritten
     with the gradient."""
-    if native_cpu(logits):
+    if native_cpu(logits, dtypes=(torch.float32, torch.bfloat16)):
         return torch.ops.fastattn.cpu_cross_entropy_grad(
             logits, target, row_weight.float(), smoothing, ignore_index
         )

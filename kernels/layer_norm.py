@@ -383,6 +383,11 @@ def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t.stride(1) == 1 else t.contiguous()
 
 
+# CPU dtypes the float32 fastattn._C kernels take after a conversion: under CPU autocast the
+# conversions cost less than the unfused PyTorch chain (serial dropout generator) they replace.
+_UPCAST = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _float(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.float()
 
@@ -431,7 +436,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
         return x
     if x.device.type != "cpu":
         return F.dropout(x, p, training)
-    if native_cpu(x, upcast=True):
+    if native_cpu(x, dtypes=_UPCAST):
         return _seeded_dropout(x.float(), _draw_seed(x.device), p).to(x.dtype)
     return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
 
@@ -481,7 +486,7 @@ def layer_norm_residual(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     mixed = x.dtype != torch.float32 or (residual is not None and residual.dtype != x.dtype)
-    if mixed and x.numel() and native_cpu(x, residual, weight, bias, upcast=True):
+    if mixed and x.numel() and native_cpu(x, residual, weight, bias, dtypes=_UPCAST):
         dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         out = layer_norm_residual(
             x.float(), _float(residual), _float(weight), _float(bias), eps, dropout_p,

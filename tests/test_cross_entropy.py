@@ -285,6 +285,32 @@ def test_linear_under_bfloat16_autocast(small_chunks):
     torch.testing.assert_close(weight.grad.double(), w64.grad, atol=3e-3, rtol=3e-2)
 
 
+@pytest.mark.parametrize("vocab", [17, 97, 1023])
+def test_linear_bfloat16_odd_vocabularies(small_chunks, vocab):
+    """bfloat16 end to end (CPU: fastattn._C's bfloat16 rows, vector body and scalar tail), within
+    twice PyTorch's own bfloat16 error of float64."""
+    g = torch.Generator().manual_seed(vocab)
+    rows, features = 13, 16
+    masters = [torch.randn(rows, features, generator=g, dtype=torch.float64),
+               torch.randn(vocab, features, generator=g, dtype=torch.float64) / 3]
+    target = _target(rows, vocab)
+    target[3] = -100
+
+    def ours(h, w):
+        return linear_cross_entropy(h, w, target, None, 0.1, return_nll=True)
+
+    def reference(h, w):
+        return cross_entropy_reference(F.linear(h, w), target, 0.1)
+
+    leaves = lambda dtype: [m.to(dtype, copy=True).requires_grad_() for m in masters]
+    out, grad_output = _loss_and_grads(ours, leaves(torch.bfloat16))
+    exact, _ = _loss_and_grads(reference, leaves(torch.float64), grad_output)
+    torch_bf16, _ = _loss_and_grads(reference, leaves(torch.bfloat16), grad_output)
+    loss, _, *grads = out
+    assert [t.dtype for t in (loss, *grads)] == [torch.bfloat16] * 3
+    _assert_within(out, exact, torch_bf16, 1e-3)
+
+
 def test_linear_bad_input_errors():
     hidden, target = torch.randn(4, 8), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="weight must be"):
