@@ -211,11 +211,13 @@ def test_linear_matches_float64_reference(small_chunks, bias, smoothing, reducti
     _assert_within(out, exact, torch_fp32, 2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 17, 97, 1023])
 @pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: logits spread over hundreds
-def test_linear_odd_vocabularies(small_chunks, vocab, scale):
-    """Vocabularies that are not a multiple of the CPU kernel's 8-float vectors, and logits wide
-    enough that exp underflows for most classes."""
+def test_linear_odd_vocabularies(small_chunks, vocab, scale, dtype):
+    """Vocabularies that are not a multiple of the CPU kernel's 8-float vectors (vector body and
+    scalar tail, float32 and bfloat16 rows), and logits wide enough that exp underflows for most
+    classes; within twice PyTorch's own error in the same dtype of float64."""
     g = torch.Generator().manual_seed(vocab)
     rows, features = 13, 16
     masters = [torch.randn(rows, features, generator=g, dtype=torch.float64) * scale,
@@ -230,10 +232,12 @@ def test_linear_odd_vocabularies(small_chunks, vocab, scale):
         return cross_entropy_reference(F.linear(h, w), target, 0.1)
 
     leaves = lambda dtype: [m.to(dtype, copy=True).requires_grad_() for m in masters]
-    out, grad_output = _loss_and_grads(ours, leaves(torch.float32))
+    out, grad_output = _loss_and_grads(ours, leaves(dtype))
     exact, _ = _loss_and_grads(reference, leaves(torch.float64), grad_output)
-    torch_fp32, _ = _loss_and_grads(reference, leaves(torch.float32), grad_output)
-    _assert_within(out, exact, torch_fp32, 2e-6)
+    torch_same_dtype, _ = _loss_and_grads(reference, leaves(dtype), grad_output)
+    loss, _, *grads = out
+    assert [t.dtype for t in (loss, *grads)] == [dtype] * 3
+    _assert_within(out, exact, torch_same_dtype, 2e-6 if dtype == torch.float32 else 1e-3)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # interpreter
@@ -283,32 +287,6 @@ def test_linear_under_bfloat16_autocast(small_chunks):
     torch.testing.assert_close(loss.double(), exact.detach(), atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=3e-3, rtol=3e-2)
     torch.testing.assert_close(weight.grad.double(), w64.grad, atol=3e-3, rtol=3e-2)
-
-
-@pytest.mark.parametrize("vocab", [17, 97, 1023])
-def test_linear_bfloat16_odd_vocabularies(small_chunks, vocab):
-    """bfloat16 end to end (CPU: fastattn._C's bfloat16 rows, vector body and scalar tail), within
-    twice PyTorch's own bfloat16 error of float64."""
-    g = torch.Generator().manual_seed(vocab)
-    rows, features = 13, 16
-    masters = [torch.randn(rows, features, generator=g, dtype=torch.float64),
-               torch.randn(vocab, features, generator=g, dtype=torch.float64) / 3]
-    target = _target(rows, vocab)
-    target[3] = -100
-
-    def ours(h, w):
-        return linear_cross_entropy(h, w, target, None, 0.1, return_nll=True)
-
-    def reference(h, w):
-        return cross_entropy_reference(F.linear(h, w), target, 0.1)
-
-    leaves = lambda dtype: [m.to(dtype, copy=True).requires_grad_() for m in masters]
-    out, grad_output = _loss_and_grads(ours, leaves(torch.bfloat16))
-    exact, _ = _loss_and_grads(reference, leaves(torch.float64), grad_output)
-    torch_bf16, _ = _loss_and_grads(reference, leaves(torch.bfloat16), grad_output)
-    loss, _, *grads = out
-    assert [t.dtype for t in (loss, *grads)] == [torch.bfloat16] * 3
-    _assert_within(out, exact, torch_bf16, 1e-3)
 
 
 def test_linear_bad_input_errors():
