@@ -12,12 +12,13 @@ from fastattn.checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
+from fastattn.cli import HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m fastattn.average", description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--dir", help="a run's checkpoint directory (checkpoint_<step>.pt)")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from fastattn.cli import HelpFormatter
 from fastattn.model import Transformer
 
 
@@ -102,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     from fastattn.checkpoint import load_model
 
     parser = argparse.ArgumentParser(prog="python -m fastattn.ctranslate2_convert",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output dir")

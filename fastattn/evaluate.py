@@ -28,6 +28,7 @@ import sacrebleu
 from sacremoses import MosesPunctNormalizer, MosesTokenizer
 
 from fastattn import data
+from fastattn.cli import HelpFormatter
 
 
 @cache
@@ -107,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m fastattn.evaluate",
         description="Detokenized sacreBLEU and tokenized BLEU of a translation file.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--hyp", required=True, help="detokenized translations, one per line")
     refs = parser.add_mutually_exclusive_group(required=True)

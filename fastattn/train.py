@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from fastattn import checkpoint, data, evaluate
+from fastattn.cli import HelpFormatter
 from fastattn.model import PRESETS, Transformer, TransformerConfig
 from fastattn.translate import Translator
 
@@ -136,7 +137,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m fastattn.train",
         description="Train a Transformer (Vaswani et al., 2017). Defaults: the tuned CPU recipe on "
         "the embedded Multi30k en->de; [paper: ...] gives the paper's value where it differs.",
-        formatter_class=_HelpWithDefaults,
+        formatter_class=HelpFormatter,
     )
     add = _adder(parser)
     g = parser.add_argument_group("data")
@@ -218,15 +219,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
     args.metrics = args.metrics or str(Path(args.save_dir) / "metrics.jsonl")
     return args
-
-
-class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None ("not set": the help says what applies then)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default is None:
-            return action.help or ""
-        return super()._get_help_string(action)
 
 
 def _adder(parser: argparse.ArgumentParser):

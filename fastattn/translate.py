@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from fastattn.cli import HelpFormatter
 from fastattn.search import LengthPenalty, beam_search, greedy_search
 
 
@@ -231,7 +232,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m fastattn.translate",
         description="Translate raw sentences from stdin to stdout with a fastattn checkpoint.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--checkpoint", required=True, help="a checkpoint of fastattn.train")
     parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
