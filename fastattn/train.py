@@ -191,12 +191,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = parser.add_argument_group("checkpoints")
     add(g, "--save-dir", default="checkpoints/{data}-{src}-{tgt}",
         help="checkpoint directory ({data}, {src}, {tgt} are filled in)")
-    add(g, "--save-every", type=int, default=100, help="save every N updates (0: off)")
+    add(g, "--save-every", type=int, default=200, help="save every N updates (0: off)")
     add(g, "--save-every-minutes", type=float, default=0.0, help="also save every M minutes")
-    add(g, "--keep", type=int, default=10, help="numbered checkpoints to keep")
+    add(g, "--keep", type=int, default=20, help="numbered checkpoints to keep")
     add(g, "--resume", action="store_true", help="continue from the newest checkpoint in "
         "--save-dir exactly where it stopped")
-    add(g, "--average-last", type=int, default=10,
+    add(g, "--average-last", type=int, default=20,
         help="average the last k checkpoints for the final model (1: no averaging)")
 
     g = parser.add_argument_group("evaluation")
