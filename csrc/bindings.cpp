@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "beam_decode.h"
 #include "beam_search.h"
 #include "cross_entropy.h"
 #include "decode_attention.h"
@@ -22,6 +23,12 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "decoder_step(Tensor x, Tensor[] params, Tensor(a!) self_k, Tensor(b!) self_v, "
       "Tensor history, int length, Tensor[] memory_k, Tensor[] memory_v, Tensor? memory_bias, "
       "Tensor? sentences, Tensor[] packed, float eps) -> Tensor");
+  m.def(
+      "transformer_beam_search(Tensor embedding, Tensor positions, float embedding_scale, "
+      "Tensor[] params, Tensor[] packed, Tensor? output_packed, float eps, Tensor[] memory_k, "
+      "Tensor[] memory_v, Tensor? memory_bias, int bos_id, Tensor max_len, Tensor penalty, "
+      "Tensor(a!) finished_tokens, Tensor(b!) finished_scores, Tensor(c!) finished_lengths, "
+      "Tensor(d!) finished_count, int eos_id, int nbest) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
   m.def("log_softmax_linear(Tensor x, Tensor weight, Tensor? packed) -> Tensor");
@@ -43,6 +50,7 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("beam_search_step", &fastattn::beam_search_step_cpu);
   m.impl("decode_attention", &fastattn::decode_attention_cpu);
   m.impl("decoder_step", &fastattn::decoder_step_cpu);
+  m.impl("transformer_beam_search", &fastattn::transformer_beam_search_cpu);
   m.impl("pack_linear_weight", &fastattn::pack_linear_weight_cpu);
   m.impl("linear", &fastattn::linear_cpu);
   m.impl("log_softmax_linear", &fastattn::log_softmax_linear_cpu);

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from fastattn import ops
 from fastattn._native import native
 from fastattn.modules import ResidualLayerNorm
+from fastattn.search import BeamSearchSetup, Hypothesis, LengthPenalty, beam_search
 
 __all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
 
@@ -193,6 +194,7 @@ def _has_native_cpu_op(name: str) -> bool:
 
 _NATIVE_STEP_ATTENTION = _has_native_cpu_op("decode_attention")
 _NATIVE_DECODER_STEP = _has_native_cpu_op("decoder_step")
+_NATIVE_BEAM_SEARCH = _has_native_cpu_op("transformer_beam_search")
 
 
 def step_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -564,6 +566,39 @@ class Transformer(nn.Module):
             x = self.decoder.final_norm(x)
         state.length += 1
         return torch.log_softmax(F.linear(x, self.embedding.weight).float(), dim=-1)
+
+    @torch.inference_mode()
+    def beam_search(self, src: Tensor, *, beam_size: int = 4, bos_id: int, eos_id: int,
+                    max_len: int | Tensor, alpha: float = 0.6,
+                    length_penalty: LengthPenalty = "gnmt",
+                    nbest: int = 1) -> list[list[Hypothesis]]:
+        """fastattn.beam_search of src (B, S) over the cached decoder: each sentence's nbest
+        hypotheses, best first. On CPU with fastattn._C the whole search is one native call
+        (fastattn::transformer_beam_search), else beam_search over decode_step; both give the
+        same tokens and scores."""
+        setup = BeamSearchSetup.create(src.shape[0], beam_size, nbest, max_len, alpha,
+                                       length_penalty, src.device)
+        if src.shape[0] == 0:
+            return []
+        capacity = int(setup.limits.max())
+        state = self.start_decoding(src, capacity=capacity)
+        if not (_NATIVE_BEAM_SEARCH and self._native_decoder_step(state.memory_k[0])):
+            def step_fn(tokens: Tensor, reorder: Tensor | None) -> Tensor:
+                if reorder is not None:
+                    state.reorder(reorder)
+                return self.decode_step(tokens[:, -1], state)
+
+            return beam_search(step_fn, src.shape[0], beam_size=beam_size, bos_id=bos_id,
+                               eos_id=eos_id, max_len=setup.limits, alpha=alpha,
+                               length_penalty=length_penalty, nbest=nbest)
+        params, panels, output_panels = self._native_decoder_weights()
+        torch.ops.fastattn.transformer_beam_search(
+            self.embedding.weight.detach(), self.embedding.positions(0, capacity),
+            self.embedding.scale, params, panels, output_panels,
+            self.decoder.layers[0].feed_forward_norm.norm.eps, state.memory_k, state.memory_v,
+            None if state.memory_bias is None else state.memory_bias.flatten(1), bos_id,
+            setup.limits, setup.penalty, *setup.finished, eos_id, nbest)
+        return setup.best(nbest)
 
     def _native_decoder_step(self, x: Tensor) -> bool:
         return (_NATIVE_DECODER_STEP and not self.cfg.pre_norm and x.device.type == "cpu"

@@ -79,22 +79,10 @@ def beam_search(
     of a max_len tensor). A sentence can return fewer than nbest hypotheses only if its step_fn
     gives -inf to all but a few continuations.
     """
-    if beam_size < 1:
-        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
-    if not 1 <= nbest <= beam_size:
-        raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
-    limits, device = _max_len_tensor(max_len, batch_size, device)
-    longest = int(limits.max()) if batch_size else 0
-    penalty = torch.tensor(
-        length_penalty_table(longest, alpha, length_penalty), dtype=torch.float64, device=device
-    )
+    setup = BeamSearchSetup.create(batch_size, beam_size, nbest, max_len, alpha, length_penalty,
+                                   device)
+    device = setup.limits.device
     step = _pick_step(impl, device)
-
-    finished_tokens = torch.zeros(batch_size, beam_size, longest, dtype=torch.long, device=device)
-    finished_scores = torch.zeros(batch_size, beam_size, device=device)
-    finished_lengths = torch.zeros(batch_size, beam_size, dtype=torch.long, device=device)
-    finished_count = torch.zeros(batch_size, dtype=torch.long, device=device)
-
     tokens = torch.full((batch_size, 1), bos_id, dtype=torch.long, device=device)
     scores = torch.zeros(batch_size, device=device)
     sentences = torch.arange(batch_size, device=device)
@@ -102,10 +90,52 @@ def beam_search(
     while sentences.numel():
         logprobs = _call(step_fn, tokens, reorder, eos_id)
         tokens, scores, reorder, sentences = step(
-            logprobs, tokens, scores, sentences, limits, penalty,
-            finished_tokens, finished_scores, finished_lengths, finished_count, eos_id, nbest,
+            logprobs, tokens, scores, sentences, setup.limits, setup.penalty, *setup.finished,
+            eos_id, nbest,
         )  # fmt: skip
-    return _best(finished_tokens, finished_scores, finished_lengths, finished_count, nbest)
+    return setup.best(nbest)
+
+
+@dataclass
+class BeamSearchSetup:
+    """A batch's search state besides the live prefixes: the per-sentence limits (B,), the
+    length-penalty table (limits.max() + 1,) float64, and the finished hypotheses
+    (tokens (B, beam, L), scores (B, beam), lengths (B, beam), count (B,)), which the search
+    steps fill in place. Shared by beam_search and Transformer.beam_search's native loop."""
+
+    limits: torch.Tensor
+    penalty: torch.Tensor
+    finished: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def create(cls, batch_size: int, beam_size: int, nbest: int, max_len: int | torch.Tensor,
+               alpha: float, length_penalty: LengthPenalty,
+               device: torch.device | str | None = None) -> BeamSearchSetup:
+        if beam_size < 1:
+            raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+        if not 1 <= nbest <= beam_size:
+            raise ValueError(f"nbest must be between 1 and beam_size={beam_size}, got {nbest}")
+        limits, device = _max_len_tensor(max_len, batch_size, device)
+        longest = int(limits.max()) if batch_size else 0
+        penalty = torch.tensor(length_penalty_table(longest, alpha, length_penalty),
+                               dtype=torch.float64, device=device)
+        finished = (
+            torch.zeros(batch_size, beam_size, longest, dtype=torch.long, device=device),
+            torch.zeros(batch_size, beam_size, device=device),
+            torch.zeros(batch_size, beam_size, dtype=torch.long, device=device),
+            torch.zeros(batch_size, dtype=torch.long, device=device),
+        )
+        return cls(limits, penalty, finished)
+
+    def best(self, nbest: int) -> list[list[Hypothesis]]:
+        """Each sentence's nbest hypotheses, best first, ties in the order they finished."""
+        tokens, scores, lengths, counts = (x.tolist() for x in self.finished)
+        results = []
+        for b, count in enumerate(counts):
+            order = sorted(range(count), key=lambda j: -scores[b][j])[:nbest]
+            results.append([Hypothesis(tokens[b][j][: lengths[b][j]], scores[b][j])
+                            for j in order])
+        return results
 
 
 def greedy_search(
@@ -293,20 +323,3 @@ def _top(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     index, order = index.sort(1)
     values, order = values.gather(1, order).sort(dim=1, descending=True, stable=True)
     return values, index.gather(1, order)
-
-
-def _best(
-    finished_tokens: torch.Tensor,
-    finished_scores: torch.Tensor,
-    finished_lengths: torch.Tensor,
-    finished_count: torch.Tensor,
-    nbest: int,
-) -> list[list[Hypothesis]]:
-    """Each sentence's nbest hypotheses, best first, ties in the order they finished."""
-    tokens, scores = finished_tokens.tolist(), finished_scores.tolist()
-    lengths, counts = finished_lengths.tolist(), finished_count.tolist()
-    results = []
-    for b, count in enumerate(counts):
-        order = sorted(range(count), key=lambda j: -scores[b][j])[:nbest]
-        results.append([Hypothesis(tokens[b][j][: lengths[b][j]], scores[b][j]) for j in order])
-    return results

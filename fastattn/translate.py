@@ -5,8 +5,9 @@
 
 Reads raw sentences, one per line, encodes them with the checkpoint's SentencePiece model, sorts
 a bounded window of them by length into batches of about --batch-tokens source tokens, decodes
-each batch with the cached decoder and fastattn.beam_search, and writes the detokenized
-translations in input order as soon as their window is done: memory does not grow with the input.
+each batch with the cached decoder and beam search (Transformer.beam_search: one native call per
+batch on CPU), and writes the detokenized translations in input order as soon as their window is
+done: memory does not grow with the input.
 Defaults are the paper's: beam 4, α = 0.6 with the GNMT length penalty, at most source length +
 50 tokens (the source length counts the EOS that ends it).
 Output: one translation per line; with --scores "score<TAB>translation"; with --nbest N > 1,
@@ -26,7 +27,7 @@ from pathlib import Path
 import torch
 
 from fastattn.cli import HelpFormatter
-from fastattn.search import LengthPenalty, beam_search, greedy_search
+from fastattn.search import LengthPenalty, greedy_search
 
 
 @dataclass
@@ -123,23 +124,24 @@ class Translator:
             source[row, : len(ids)] = torch.tensor(ids)
         lengths = torch.tensor([len(ids) for ids in sources])
         max_len = (self.max_len_a * lengths + self.max_len_b).floor().long().clamp(min=1)
-        state = self.model.start_decoding(source.to(self.device), capacity=int(max_len.max()))
-
-        def step_fn(tokens: torch.Tensor, reorder: torch.Tensor | None) -> torch.Tensor:
-            if reorder is not None:
-                state.reorder(reorder)
-            return self.model.decode_step(tokens[:, -1], state)
-
+        source, max_len = source.to(self.device), max_len.to(self.device)
         options = dict(
-            bos_id=self.bos_id, eos_id=self.eos_id, max_len=max_len.to(self.device),
-            alpha=self.alpha, length_penalty=self.length_penalty,
+            bos_id=self.bos_id, eos_id=self.eos_id, max_len=max_len, alpha=self.alpha,
+            length_penalty=self.length_penalty,
         )  # fmt: skip
-        if self.beam_size == 1:
-            found = [[h] if h else [] for h in greedy_search(step_fn, len(sources), **options)]
-        else:
-            found = beam_search(
-                step_fn, len(sources), beam_size=self.beam_size, nbest=self.nbest, **options
+        if self.beam_size > 1:
+            found = self.model.beam_search(
+                source, beam_size=self.beam_size, nbest=self.nbest, **options
             )
+        else:
+            state = self.model.start_decoding(source, capacity=int(max_len.max()))
+
+            def step_fn(tokens: torch.Tensor, reorder: torch.Tensor | None) -> torch.Tensor:
+                if reorder is not None:
+                    state.reorder(reorder)
+                return self.model.decode_step(tokens[:, -1], state)
+
+            found = [[h] if h else [] for h in greedy_search(step_fn, len(sources), **options)]
         return [[self._translation(h.tokens, h.score) for h in hypotheses] for hypotheses in found]
 
     def _translation(self, tokens: list[int], score: float) -> Translation:

@@ -174,6 +174,31 @@ def test_decoding_one_row_per_sentence_then_beams(lengths, decoder_path):
     torch.testing.assert_close(logprobs, expected, **TOL)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("beam", "nbest", "penalty"), [(1, 1, "gnmt"), (3, 2, "pow"),
+                                                        (5, 1, "gnmt")])
+@pytest.mark.parametrize("per_sentence_max_len", [False, True])
+def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, penalty,
+                                                           per_sentence_max_len, monkeypatch):
+    """Transformer.beam_search's one native call (fastattn::transformer_beam_search) returns
+    the tokens and scores, bit for bit, of fastattn.beam_search over decode_step: sentences of
+    different lengths finish at different steps and leave the batch."""
+    if not fastattn.model._NATIVE_BEAM_SEARCH:
+        pytest.skip("fastattn._C is not built: no native beam search")
+    model = make_model(replace(TINY, vocab_size=97)).to(dtype)
+    src = pad_after(tokens(5, 9), [9, 1, 4, 7, 2])
+    max_len = torch.tensor([3, 12, 1, 8, 6]) if per_sentence_max_len else 9
+    options = dict(beam_size=beam, nbest=nbest, bos_id=1, eos_id=2, max_len=max_len, alpha=0.8,
+                   length_penalty=penalty)
+    native = model.beam_search(src, **options)
+    monkeypatch.setattr(fastattn.model, "_NATIVE_BEAM_SEARCH", False)
+    stepwise = model.beam_search(src, **options)
+    assert [[(h.tokens, h.score) for h in hyps] for hyps in native] == \
+        [[(h.tokens, h.score) for h in hyps] for hyps in stepwise]
+    assert len(native[1]) == nbest  # (a max_len of 1 leaves room for one hypothesis: EOS)
+    assert {len(hyps[0].tokens) for hyps in native} != {1}  # not all EOS at once
+
+
 def test_decode_step_does_not_rerun_the_prefix(monkeypatch):
     """The matrix products of a step (projections, feed-forward, output) do not grow with the
     length: earlier positions come from the cache. (Attention itself reads O(length) keys.) On

@@ -1,0 +1,83 @@
+#include "beam_decode.h"
+
+#include "beam_search.h"
+#include "decode_attention.h"
+#include "packed_linear.h"
+
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace fastattn {
+
+void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &positions,
+                                 double embedding_scale, at::TensorList params,
+                                 at::TensorList packed, const std::optional<at::Tensor> &output_packed,
+                                 double eps, at::TensorList memory_k, at::TensorList memory_v,
+                                 const std::optional<at::Tensor> &memory_bias, int64_t bos_id,
+                                 const at::Tensor &max_len, const at::Tensor &penalty,
+                                 const at::Tensor &finished_tokens,
+                                 const at::Tensor &finished_scores,
+                                 const at::Tensor &finished_lengths,
+                                 const at::Tensor &finished_count, int64_t eos_id, int64_t nbest) {
+  TORCH_CHECK(!memory_k.empty() && memory_k.size() == memory_v.size(),
+              "transformer_beam_search: need one memory_k and memory_v per decoder layer");
+  TORCH_CHECK(memory_k[0].dim() == 4 && memory_v[0].dim() == 4,
+              "transformer_beam_search: memory_k and memory_v must be (B, H, S, D), got ",
+              memory_k[0].sizes(), " and ", memory_v[0].sizes());
+  TORCH_CHECK(embedding.dim() == 2 && positions.dim() == 2 &&
+                  positions.size(1) == embedding.size(1),
+              "transformer_beam_search: embedding (V, d) and positions (P, d) must share d, got ",
+              embedding.sizes(), " and ", positions.sizes());
+  const int64_t B = memory_k[0].size(0), beam = finished_scores.size(1);
+  const int64_t layers = static_cast<int64_t>(memory_k.size()), H = memory_k[0].size(1);
+  const int64_t capacity = positions.size(0);
+  TORCH_CHECK(max_len.numel() == B && (B == 0 || max_len.max().item<int64_t>() <= capacity),
+              "transformer_beam_search: positions has ", capacity,
+              " rows, fewer than the longest max_len");
+  if (B == 0) return;
+  const auto long_options = max_len.options();
+  const auto cache_options = memory_k[0].options();
+  auto self_k = at::empty({layers, B * beam, H, capacity, memory_k[0].size(3)}, cache_options);
+  auto self_v = at::empty({layers, B * beam, H, capacity, memory_v[0].size(3)}, cache_options);
+  // history[n, j]: the cache row holding row n's position j (rows are reordered, caches are not).
+  auto history = at::empty({B * beam, capacity}, long_options);
+  auto next_history = at::empty_like(history);
+  std::vector<at::Tensor> mem_k(memory_k.begin(), memory_k.end());
+  std::vector<at::Tensor> mem_v(memory_v.begin(), memory_v.end());
+  std::optional<at::Tensor> bias = memory_bias;
+
+  auto tokens = at::full({B, 1}, bos_id, long_options);
+  auto scores = at::zeros({B}, finished_scores.options());
+  auto sentences = at::arange(B, long_options);
+  for (int64_t length = 0; sentences.numel() > 0; ++length) {
+    const int64_t N = tokens.size(0), S = sentences.numel();
+    int64_t *own_row = history.data_ptr<int64_t>() + length;
+    for (int64_t n = 0; n < N; ++n) own_row[n * capacity] = n;
+    // As the Embedding module computes it, op by op, so that both paths agree bit for bit.
+    auto x = at::embedding(embedding, tokens.select(1, length)).mul(embedding_scale);
+    x = x.add(positions.select(0, length));
+    x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, mem_k, mem_v,
+                         bias, std::nullopt, packed, eps);
+    const auto logprobs = log_softmax_linear_cpu(x, embedding, output_packed).to(at::kFloat);
+    auto [next_tokens, next_scores, reorder, next_sentences] = beam_search_step_cpu(
+        logprobs, tokens, scores, sentences, max_len, penalty, finished_tokens, finished_scores,
+        finished_lengths, finished_count, eos_id, nbest);
+    const int64_t next_S = next_sentences.numel();
+    if (next_S == 0) break;
+    next_history.narrow(0, 0, reorder.size(0))
+        .narrow(1, 0, length + 1)
+        .copy_(history.narrow(1, 0, length + 1).index_select(0, reorder));
+    std::swap(history, next_history);
+    if (next_S < S && mem_k[0].size(0) > 1) {
+      // Rows come grouped by sentence, N / S per sentence before the step and beam after it.
+      const auto kept = reorder.slice(0, 0, reorder.size(0), beam).div(N / S, "floor");
+      for (auto &m : mem_k) m = m.index_select(0, kept);
+      for (auto &m : mem_v) m = m.index_select(0, kept);
+      if (bias) bias = bias->index_select(0, kept);
+    }
+    tokens = next_tokens, scores = next_scores, sentences = next_sentences;
+  }
+}
+
+}  // namespace fastattn
