@@ -1,5 +1,6 @@
 """Decoding throughput, beam 4, "pow" length penalty (α = 0.6) for comparability, same weights:
-fastattn (cached decoder + native beam search) against CTranslate2 float32 (the converted model,
+fastattn (Transformer.beam_search, the translator's path: on CPU the cached decoder and the
+search in one native call) against CTranslate2 float32 (the converted model,
 fastattn.ctranslate2_convert) and against a plain PyTorch beam search that re-runs the decoder on
 the whole prefix every step (no cache) and keeps finished sentences in the batch; batch 64 and
 batch 1 on Multi30k test2016 sources, with the share of sentences whose greedy and beam outputs
@@ -23,7 +24,7 @@ import torch
 
 from benchmarks.common import CORES, QUICK, measure
 from fastattn import data
-from fastattn.search import beam_search, beam_search_step_python
+from fastattn.search import beam_search_step_python
 
 BEAM, ALPHA, MAX_LEN = 4, 0.6, 40
 SENTENCES = {64: 8 if QUICK else 64, 1: 2 if QUICK else 8}
@@ -61,16 +62,10 @@ def padded(batch):
 
 
 def fastattn_decode(batch, beam=BEAM):
-    state = MODEL.start_decoding(padded(batch))
-
-    def step_fn(tokens, reorder):
-        if reorder is not None:
-            state.reorder(reorder)
-        return MODEL.decode_step(tokens[:, -1], state)
-
-    return beam_search(step_fn, len(batch), beam_size=beam, bos_id=SP.bos_id(),
-                       eos_id=SP.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
-                       length_penalty="pow")
+    """The product's path (fastattn.Translator's): Transformer.beam_search, one native call."""
+    return MODEL.beam_search(padded(batch), beam_size=beam, bos_id=SP.bos_id(),
+                             eos_id=SP.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
+                             length_penalty="pow")
 
 
 @torch.inference_mode()
