@@ -13,31 +13,32 @@ namespace fastattn {
 
 namespace {
 
-constexpr int64_t kPanel = 16;  // output features per panel: two 8-float vectors
+constexpr int64_t kPanel = 16;  // output features per panel: one 16-float vector
 
-// A row's running log-sum-exp, as in online softmax: the largest value seen and, in 8 lanes, the
-// sums of e^(x - max) over the values seen. The lanes are rescaled only when the maximum grows
-// (rarely after the first panels), so adding 16 values costs two vector exps and no reduction.
-// A NaN makes the sum NaN.
+// A row's running log-sum-exp, as in online softmax: the largest value seen and, in 16 lanes,
+// the sums of e^(x - max) over the values seen. The lanes are rescaled only when the maximum
+// grows (rarely after the first panels), so adding 16 values costs one vector exp and no
+// reduction. A NaN makes the sum NaN.
 struct RowLse {
   float max = -INFINITY;
-  v8 sum = {};
+  v16 sum = {};
 
-  void add16(v8 a, v8 b) {
-    const float m = max8(a > b ? a : b);
+  // Always inlined: a call would pass the vector in a register only some callers' targets have.
+  FASTATTN_INLINE void add16(v16 a) {
+    const float m = max16(a);
     if (m > max) {
       sum *= exp_nonpositive(max - m);
       max = m;
     }
-    if (max != -INFINITY) sum += exp_nonpositive(a - max) + exp_nonpositive(b - max);
+    if (max != -INFINITY) sum += exp_nonpositive(a - max);
   }
 
-  // The last panel's `width` values.
-  void add(const float *x, int64_t width) {
-    float padded[16];
-    std::fill(padded, padded + 16, -INFINITY);  // e^-inf adds 0
+  // A last panel's `width` values.
+  FASTATTN_INLINE void add(const float *x, int64_t width) {
+    float padded[kPanel];
+    std::fill(padded, padded + kPanel, -INFINITY);  // e^-inf adds 0
     std::copy(x, x + width, padded);
-    add16(load8(padded), load8(padded + 8));
+    add16(load16(padded));
   }
 
   void merge(const RowLse &other) {
@@ -47,67 +48,104 @@ struct RowLse {
     max = m;
   }
 
-  float value() const { return max + std::log(sum8(sum)); }
+  float value() const { return max + std::log(sum16(sum)); }
 };
 
-// out[r, :width] = x[r] · panel + bias for R rows of x (rows D apart) and one panel (D, 16); with
-// lse, each row's values are added to its running log-sum-exp lse[r].
-template <int R>
+// out[r, :width] = x[r] · panels + bias for R rows of x (rows D apart) and P adjacent panels
+// (D, 16) each, width <= 16·P; with lse, each row's values are added to its running
+// log-sum-exp lse[r]. R·P accumulators: enough independent multiply-adds to hide their latency.
+template <int R, int P>
 FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, const float *bias,
                                 float *out, int64_t out_stride, int64_t width, RowLse *lse) {
-  v8 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = v8{};
+  v16 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = v16{};
   for (int64_t d = 0; d < D; ++d) {
-    const v8 w0 = load8(panel + d * kPanel);
-    const v8 w1 = load8(panel + d * kPanel + 8);
+    v16 w[P];
+    for (int p = 0; p < P; ++p) w[p] = load16(panel + (p * D + d) * kPanel);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * D + d];
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
+      for (int p = 0; p < P; ++p) acc[r][p] += xv * w[p];
     }
   }
   for (int r = 0; r < R; ++r) {
-    if (width == kPanel) {
-      if (bias) {
-        acc[r][0] += load8(bias);
-        acc[r][1] += load8(bias + 8);
+    for (int p = 0; p < P; ++p) {
+      const int64_t columns = std::min(kPanel, width - p * kPanel);
+      const float *b = bias ? bias + p * kPanel : nullptr;
+      float *o = out + r * out_stride + p * kPanel;
+      if (columns == kPanel) {
+        if (b) acc[r][p] += load16(b);
+        std::memcpy(o, &acc[r][p], sizeof(v16));
+        if (lse) lse[r].add16(acc[r][p]);
+      } else {  // the last panel
+        float sums[kPanel];
+        std::memcpy(sums, &acc[r][p], sizeof(v16));
+        for (int64_t c = 0; b && c < columns; ++c) sums[c] += b[c];
+        std::memcpy(o, sums, columns * sizeof(float));
+        if (lse) lse[r].add(sums, columns);
       }
-      std::memcpy(out + r * out_stride, &acc[r][0], sizeof(v8));
-      std::memcpy(out + r * out_stride + 8, &acc[r][1], sizeof(v8));
-      if (lse) lse[r].add16(acc[r][0], acc[r][1]);
-    } else {  // the last panel
-      float sums[kPanel];
-      std::memcpy(sums, &acc[r][0], sizeof(v8));
-      std::memcpy(sums + 8, &acc[r][1], sizeof(v8));
-      for (int64_t c = 0; bias && c < width; ++c) sums[c] += bias[c];
-      std::memcpy(out + r * out_stride, sums, width * sizeof(float));
-      if (lse) lse[r].add(sums, width);
     }
   }
 }
 
-// Panels [p0, p1) for all N rows, 6 rows at a time (12 accumulators of the 16 AVX registers): a
-// panel stays in L1 while the rows pass over it, and the weight is read once. lse: none, or N
-// running log-sum-exps.
-FASTATTN_CLONES void panels(const float *x, int64_t N, int64_t D, const float *packed,
-                            const float *bias, int64_t O, int64_t p0, int64_t p1, float *out,
-                            RowLse *lse) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const float *panel = packed + p * D * kPanel;
-    const float *b = bias ? bias + p * kPanel : nullptr;
-    const int64_t width = std::min(kPanel, O - p * kPanel);
-    float *o = out + p * kPanel;
-    const auto rows = [&](int64_t n) { return lse ? lse + n : nullptr; };
-    int64_t n = 0;
-    for (; n + 6 <= N; n += 6) panel_rows<6>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
-    switch (N - n) {
-      case 5: panel_rows<5>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-      case 4: panel_rows<4>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-      case 3: panel_rows<3>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-      case 2: panel_rows<2>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-      case 1: panel_rows<1>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    }
+// Panels [p, p + P) for all N rows, R rows at a time: the panels stay in L1 while the rows pass
+// over them, and the weight is read once.
+template <int R, int P>
+FASTATTN_INLINE void panel_group(const float *x, int64_t N, int64_t D, const float *packed,
+                                 const float *bias, int64_t O, int64_t p, float *out,
+                                 RowLse *lse) {
+  const float *panel = packed + p * D * kPanel;
+  const float *b = bias ? bias + p * kPanel : nullptr;
+  const int64_t width = std::min(P * kPanel, O - p * kPanel);
+  float *o = out + p * kPanel;
+  const auto rows = [&](int64_t n) { return lse ? lse + n : nullptr; };
+  int64_t n = 0;
+  for (; n + R <= N; n += R) panel_rows<R, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
+  if constexpr (R > 6)
+    for (; n + 6 <= N; n += 6)
+      panel_rows<6, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
+  switch (N - n) {
+    case 5: panel_rows<5, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 4: panel_rows<4, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 3: panel_rows<3, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 2: panel_rows<2, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 1: panel_rows<1, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
   }
+}
+
+// Panels [p0, p1), P at a time, R rows at a time. lse: none, or N running log-sum-exps.
+template <int R, int P>
+FASTATTN_INLINE void panel_range(const float *x, int64_t N, int64_t D, const float *packed,
+                                 const float *bias, int64_t O, int64_t p0, int64_t p1, float *out,
+                                 RowLse *lse) {
+  int64_t p = p0;
+  for (; p + P <= p1; p += P) panel_group<R, P>(x, N, D, packed, bias, O, p, out, lse);
+  for (; p < p1; ++p) panel_group<R, 1>(x, N, D, packed, bias, O, p, out, lse);
+}
+
+// AVX-512: 32 registers hold 6 rows × 2 panels of 16-float accumulators. AVX2 and SSE: one
+// panel (12 and 24 registers' worth; 16 exist).
+#if defined(__x86_64__) && defined(__GNUC__)
+__attribute__((target("avx512f,fma"))) void panels_avx512(const float *x, int64_t N, int64_t D,
+                                                          const float *packed, const float *bias,
+                                                          int64_t O, int64_t p0, int64_t p1,
+                                                          float *out, RowLse *lse) {
+  panel_range<12, 2>(x, N, D, packed, bias, O, p0, p1, out, lse);
+}
+__attribute__((target_clones("avx2", "default")))
+#endif
+void panels_portable(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
+                     int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
+  panel_range<6, 1>(x, N, D, packed, bias, O, p0, p1, out, lse);
+}
+
+void panels(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
+            int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  if (avx512) return panels_avx512(x, N, D, packed, bias, O, p0, p1, out, lse);
+#endif
+  panels_portable(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
 
 // x[r, :] -= lse[r] for rows [begin, end) of O floats.

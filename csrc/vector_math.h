@@ -22,9 +22,14 @@ namespace fastattn {
 // clone), where plain loops over short rows were left scalar or wrapped in peeling code.
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
+// Sixteen floats: one AVX-512 register, two AVX ones, for the matrix products, where AVX-512's
+// twice wider multiply-adds double the throughput on CPUs with two 512-bit FMA units.
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
 FASTATTN_INLINE v8 load8(const float *p) { return *reinterpret_cast<const v8 *>(p); }
 FASTATTN_INLINE void store8(float *p, v8 a) { *reinterpret_cast<v8 *>(p) = a; }
+
+FASTATTN_INLINE v16 load16(const float *p) { return *reinterpret_cast<const v16 *>(p); }
 
 FASTATTN_INLINE float sum8(v8 a) {
   v4 s = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
@@ -57,20 +62,24 @@ FASTATTN_INLINE float exp_nonpositive(float x) {
   return static_cast<float>(x >= -87.0f) * (exp_polynomial(r) * two_k);
 }
 
-// The same for eight floats at once.
+// The same for eight or sixteen floats at once.
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
 
-FASTATTN_INLINE v8 exp_nonpositive(v8 x) {
-  const v8 floor = v8{} - 87.0f;
-  const v8 y = x < floor ? floor : x;
-  const v8i k = -__builtin_convertvector(y * -1.44269504f + 0.5f, v8i);
-  const v8 kf = __builtin_convertvector(k, v8);
-  const v8 r = (y - kf * 0.693145751953125f) - kf * 1.428606765330187e-06f;
-  const v8i bits = (k + 127) << 23;
-  v8 two_k;
+template <typename V, typename VI>
+FASTATTN_INLINE V exp_nonpositive_vector(V x) {
+  const V floor = V{} - 87.0f;
+  const V y = x < floor ? floor : x;
+  const VI k = -__builtin_convertvector(y * -1.44269504f + 0.5f, VI);
+  const V kf = __builtin_convertvector(k, V);
+  const V r = (y - kf * 0.693145751953125f) - kf * 1.428606765330187e-06f;
+  const VI bits = (k + 127) << 23;
+  V two_k;
   std::memcpy(&two_k, &bits, sizeof two_k);
-  return x < floor ? v8{} : exp_polynomial(r) * two_k;  // NaN stays NaN
+  return x < floor ? V{} : exp_polynomial(r) * two_k;  // NaN stays NaN
 }
+
+FASTATTN_INLINE v8 exp_nonpositive(v8 x) { return exp_nonpositive_vector<v8, v8i>(x); }
 
 FASTATTN_INLINE float max8(v8 a) {
   v4 m = __builtin_shufflevector(a, a, 0, 1, 2, 3);
@@ -81,6 +90,19 @@ FASTATTN_INLINE float max8(v8 a) {
   s = __builtin_shufflevector(m, m, 1, 0, 3, 2);
   m = m > s ? m : s;
   return m[0];
+}
+
+FASTATTN_INLINE v8 low8(v16 a) {
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7);
+}
+FASTATTN_INLINE v8 high8(v16 a) {
+  return __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+FASTATTN_INLINE v16 exp_nonpositive(v16 x) { return exp_nonpositive_vector<v16, v16i>(x); }
+FASTATTN_INLINE float sum16(v16 a) { return sum8(low8(a) + high8(a)); }
+FASTATTN_INLINE float max16(v16 a) {
+  const v8 lo = low8(a), hi = high8(a);
+  return max8(lo > hi ? lo : hi);
 }
 
 }  // namespace fastattn
