@@ -243,6 +243,16 @@ const float *or_fill(const std::optional<at::Tensor> &t, std::vector<float> &fil
   return fill.data();
 }
 
+// The inputs both passes read. `fill` keeps the ones standing in for an absent weight.
+Rows input_rows(const at::Tensor &x, const std::optional<at::Tensor> &residual,
+                const std::optional<at::Tensor> &weight, std::vector<float> &fill, int64_t seed,
+                double dropout_p) {
+  const int64_t n = x.size(1);
+  return Rows{x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
+              or_fill(weight, fill, 1.0f, n), nullptr, x.stride(0),
+              residual ? residual->stride(0) : 0, n, Dropout(seed, dropout_p)};
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_fwd_cpu(
@@ -260,15 +270,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_f
   at::Tensor sum = return_residual ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
   at::Tensor mean = at::empty({m}, x.options()), rstd = at::empty({m}, x.options());
   std::vector<float> ones, zeros;
-  Forward a{};
-  a.x = x.data_ptr<float>();
-  a.sx = x.stride(0);
-  a.r = residual ? residual->data_ptr<float>() : nullptr;
-  a.sr = residual ? residual->stride(0) : 0;
-  a.w = or_fill(weight, ones, 1.0f, n);
+  Forward a{input_rows(x, residual, weight, ones, seed, dropout_p)};
   a.b = or_fill(bias, zeros, 0.0f, n);
-  a.n = n;
-  a.d = Dropout(seed, dropout_p);
   a.y = y.data_ptr<float>();
   a.sy = n;
   a.sum = return_residual ? sum.data_ptr<float>() : nullptr;
@@ -303,15 +306,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_b
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), m));
   at::Tensor dw = at::zeros({blocks, n}, x.options()), db = at::zeros({blocks, n}, x.options());
   std::vector<float> ones;
-  Backward a{};
-  a.x = x.data_ptr<float>();
-  a.sx = x.stride(0);
-  a.r = residual ? residual->data_ptr<float>() : nullptr;
-  a.sr = residual ? residual->stride(0) : 0;
-  a.w = or_fill(weight, ones, 1.0f, n);
-  a.b = nullptr;
-  a.n = n;
-  a.d = Dropout(seed, dropout_p);
+  Backward a{input_rows(x, residual, weight, ones, seed, dropout_p)};
   a.dy = dy.data_ptr<float>();
   a.sdy = dy.stride(0);
   a.dsum = dsum ? dsum->data_ptr<float>() : nullptr;
