@@ -53,24 +53,30 @@ class TopCandidates {
 };
 
 // Offers base + row[v] with index offset + v for every v < vocab to top, and returns whether every
-// row[v] <= 0 (a log-probability). Most of a row cannot enter a full top: a chunk takes one
-// vectorised pass and is offered element by element only if one of its scores beats the worst
-// kept one, by the same float comparison offer makes.
+// row[v] <= 0 (a log-probability). Most of a row cannot enter a full top: a chunk of 64 is
+// screened with 16-float vectors and offered element by element only if base + its maximum beats
+// the worst kept score (float addition is monotonic, so this is the comparison offer makes for
+// the chunk's best element). A NaN makes the chunk's sum NaN, a positive value its maximum > 0.
 FASTATTN_CLONES bool offer_row(const float *row, int64_t vocab, float base, int64_t offset,
                                TopCandidates &top) {
   constexpr int64_t kChunk = 64;
   bool valid = true;
-  for (int64_t v0 = 0; v0 < vocab; v0 += kChunk) {
-    const int64_t v1 = std::min(vocab, v0 + kChunk);
-    const float worst = top.worst();
-    bool enters = !top.full(), log_probability = true;
-    for (int64_t v = v0; v < v1; ++v) {
-      log_probability &= row[v] <= 0.f;
-      enters |= base + row[v] > worst;
+  int64_t v0 = 0;
+  for (; v0 + kChunk <= vocab; v0 += kChunk) {
+    v16 most = v16{} - INFINITY, sum = {};
+    for (int64_t v = v0; v < v0 + kChunk; v += 16) {
+      const v16 x = load16(row + v);
+      most = x > most ? x : most;
+      sum += x;
     }
-    valid &= log_probability;
-    if (enters)
-      for (int64_t v = v0; v < v1; ++v) top.offer(base + row[v], offset + v);
+    const float chunk_max = max16(most), chunk_sum = sum16(sum);
+    valid &= chunk_max <= 0.f && chunk_sum == chunk_sum;
+    if (!top.full() || base + chunk_max > top.worst())
+      for (int64_t v = v0; v < v0 + kChunk; ++v) top.offer(base + row[v], offset + v);
+  }
+  for (int64_t v = v0; v < vocab; ++v) {  // the tail
+    valid &= row[v] <= 0.f;
+    top.offer(base + row[v], offset + v);
   }
   return valid;
 }

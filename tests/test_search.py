@@ -254,6 +254,15 @@ def test_bad_input_is_named(impl):
         beam_search(lambda tokens, reorder: torch.rand(tokens.size(0), 6), 2, **kwargs)
     with pytest.raises(ValueError, match="log-probabilities"):
         beam_search(lambda tokens, reorder: torch.full((tokens.size(0), 6), math.nan), 2, **kwargs)
+    for bad in (math.nan, 0.5):  # one value inside a vocabulary the native step screens in chunks
+
+        def one_bad_value(tokens, reorder, bad=bad):
+            logprobs = torch.log_softmax(torch.randn(tokens.size(0), 200), -1)
+            logprobs[-1, 131] = bad
+            return logprobs
+
+        with pytest.raises(ValueError, match="log-probabilities"):
+            beam_search(one_bad_value, 2, **kwargs)
     with pytest.raises(ValueError, match="shape"):
         beam_search(lambda tokens, reorder: torch.zeros(tokens.size(0) + 1, 6), 2, **kwargs)
     with pytest.raises(ValueError, match="impl"):
