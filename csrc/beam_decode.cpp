@@ -12,8 +12,8 @@ namespace fastattn {
 
 void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &positions,
                                  double embedding_scale, at::TensorList params,
-                                 at::TensorList packed, const std::optional<at::Tensor> &output_packed,
-                                 double eps, at::TensorList memory_k, at::TensorList memory_v,
+                                 at::TensorList packed,
+                                 const std::optional<at::Tensor> &output_packed, double eps, at::TensorList memory_k, at::TensorList memory_v,
                                  const std::optional<at::Tensor> &memory_bias, int64_t bos_id,
                                  const at::Tensor &max_len, const at::Tensor &penalty,
                                  const at::Tensor &finished_tokens,

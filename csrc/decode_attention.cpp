@@ -131,16 +131,48 @@ FASTATTN_INLINE scalar_t exp_and_sum(scalar_t *p, int64_t n) {
 
 template <>
 FASTATTN_INLINE float exp_and_sum<float>(float *p, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) p[j] = exp_nonpositive(p[j]);
-  constexpr int64_t kLanes = 16;  // independent partial sums, as in dot
-  float partial[kLanes] = {};
+  v8 partial = {};
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) partial[l] += p[j + l];
+  for (; j + 8 <= n; j += 8) {
+    const v8 e = exp_nonpositive(load8(p + j));
+    store8(p + j, e);
+    partial += e;
+  }
   float sum = 0;
-  for (; j < n; ++j) sum += p[j];
-  for (int64_t l = 0; l < kLanes; ++l) sum += partial[l];
-  return sum;
+  for (; j < n; ++j) sum += (p[j] = exp_nonpositive(p[j]));
+  return sum + sum8(partial);
+}
+
+// p[j] = q · keys[j] * scale + biases[j] for j < L.
+template <typename scalar_t>
+FASTATTN_INLINE void scores(const scalar_t *q, const scalar_t *const *keys,
+                            const scalar_t *biases, int64_t L, int64_t Dk, scalar_t scale,
+                            scalar_t *p) {
+  for (int64_t j = 0; j < L; ++j)
+    p[j] = dot(q, keys[j], Dk) * scale + (biases ? biases[j] : scalar_t(0));
+}
+
+// Head widths that are multiples of 8: four keys per pass, four independent accumulators and
+// one shared reduction, where one key at a time waits on its own chain of adds.
+template <>
+FASTATTN_INLINE void scores<float>(const float *q, const float *const *keys, const float *biases,
+                                   int64_t L, int64_t Dk, float scale, float *p) {
+  int64_t j = 0;
+  if (Dk % 8 == 0) {
+    for (; j + 4 <= L; j += 4) {
+      v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+      for (int64_t d = 0; d < Dk; d += 8) {
+        const v8 qd = load8(q + d);
+        a0 += qd * load8(keys[j] + d);
+        a1 += qd * load8(keys[j + 1] + d);
+        a2 += qd * load8(keys[j + 2] + d);
+        a3 += qd * load8(keys[j + 3] + d);
+      }
+      const v4 s = sum4x8(a0, a1, a2, a3);
+      for (int i = 0; i < 4; ++i) p[j + i] = s[i] * scale + (biases ? biases[j + i] : 0.f);
+    }
+  }
+  for (; j < L; ++j) p[j] = dot(q, keys[j], Dk) * scale + (biases ? biases[j] : 0.f);
 }
 
 // o = softmax_j(q · keys[j] * scale + biases[j]) values[j] for one query row; p is scratch for
@@ -150,11 +182,9 @@ FASTATTN_CLONES void attend_query(const scalar_t *q, const scalar_t *const *keys
                                   const scalar_t *const *values, const scalar_t *biases,
                                   int64_t L, int64_t Dk, int64_t Dv, scalar_t scale, scalar_t *p,
                                   scalar_t *o) {
+  scores(q, keys, biases, L, Dk, scale, p);
   scalar_t max = -std::numeric_limits<scalar_t>::infinity();
-  for (int64_t j = 0; j < L; ++j) {
-    p[j] = dot(q, keys[j], Dk) * scale + (biases ? biases[j] : scalar_t(0));
-    max = std::max(max, p[j]);
-  }
+  for (int64_t j = 0; j < L; ++j) max = std::max(max, p[j]);
   if (max == -std::numeric_limits<scalar_t>::infinity()) {
     for (int64_t d = 0; d < Dv; ++d) o[d] = 0;
     return;

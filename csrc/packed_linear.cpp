@@ -126,13 +126,13 @@ FASTATTN_INLINE void panel_range(const float *x, int64_t N, int64_t D, const flo
 // AVX-512: 32 registers hold 6 rows × 2 panels of 16-float accumulators. AVX2 and SSE: one
 // panel (12 and 24 registers' worth; 16 exist).
 #if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("avx512f,fma"))) void panels_avx512(const float *x, int64_t N, int64_t D,
+__attribute__((target("arch=x86-64-v4"))) void panels_avx512(const float *x, int64_t N, int64_t D,
                                                           const float *packed, const float *bias,
                                                           int64_t O, int64_t p0, int64_t p1,
                                                           float *out, RowLse *lse) {
   panel_range<12, 2>(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
-__attribute__((target_clones("avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v3", "default")))
 #endif
 void panels_portable(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
                      int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
@@ -142,7 +142,7 @@ void panels_portable(const float *x, int64_t N, int64_t D, const float *packed, 
 void panels(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
             int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  static const bool avx512 = __builtin_cpu_supports("avx512f");
+  static const bool avx512 = __builtin_cpu_supports("x86-64-v4");
   if (avx512) return panels_avx512(x, N, D, packed, bias, O, p0, p1, out, lse);
 #endif
   panels_portable(x, N, D, packed, bias, O, p0, p1, out, lse);

@@ -6,10 +6,13 @@
 
 namespace fastattn {
 
-// Built for AVX-512, AVX2 and baseline x86-64, picked at load time: the extension is compiled
-// without -march, so without clones the loops would use SSE only.
+// Built for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 and FMA) and baseline x86-64, picked at load
+// time: the extension is compiled without -march, so without clones the loops would use SSE only.
+// The levels, not single features: "avx512f" alone has no FMA, and GCC lowers vector compares
+// that produce lanes without AVX512DQ's mask moves to scalar code.
 #if defined(__x86_64__) && defined(__GNUC__)
-#define FASTATTN_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define FASTATTN_CLONES \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define FASTATTN_CLONES
 #endif
@@ -80,6 +83,22 @@ FASTATTN_INLINE V exp_nonpositive_vector(V x) {
 }
 
 FASTATTN_INLINE v8 exp_nonpositive(v8 x) { return exp_nonpositive_vector<v8, v8i>(x); }
+
+// a's two halves added.
+FASTATTN_INLINE v4 fold8(v8 a) {
+  return __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+}
+
+// The sums of four vectors' lanes, as one vector.
+FASTATTN_INLINE v4 sum4x8(v8 a, v8 b, v8 c, v8 d) {
+  const v4 a4 = fold8(a), b4 = fold8(b), c4 = fold8(c), d4 = fold8(d);
+  // [a0 + a2, b0 + b2, a1 + a3, b1 + b3], and the same for c and d
+  const v4 ab =
+      __builtin_shufflevector(a4, b4, 0, 4, 1, 5) + __builtin_shufflevector(a4, b4, 2, 6, 3, 7);
+  const v4 cd =
+      __builtin_shufflevector(c4, d4, 0, 4, 1, 5) + __builtin_shufflevector(c4, d4, 2, 6, 3, 7);
+  return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
+}
 
 FASTATTN_INLINE float max8(v8 a) {
   v4 m = __builtin_shufflevector(a, a, 0, 1, 2, 3);
