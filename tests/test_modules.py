@@ -19,6 +19,14 @@ E, H, L, S, N = 12, 3, 5, 7, 2  # odd sizes: head_dim 4, L != S
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 
+def assert_grad_close(ours, theirs):
+    """Gradients of weights sum over every row, and float32 sums of terms that cancel are
+    accurate to the terms' scale, not the result's: the absolute tolerance follows the tensor's
+    largest magnitude."""
+    atol = TOL["atol"] * max(1.0, float(theirs.abs().max()))
+    torch.testing.assert_close(ours, theirs, atol=atol, rtol=TOL["rtol"])
+
+
 def make_pair(seed=0, **kwargs):
     """A torch module with random weights (biases too) and our copy loaded from its state_dict."""
     torch.manual_seed(seed)
@@ -74,7 +82,7 @@ def assert_parity(theirs, ours, inputs, kwargs, self_attention=False, valid_rows
     for g_o, g_t in zip(grads_o, grads_t, strict=True):
         assert (g_o is None) == (g_t is None)
         if g_t is not None and valid_rows is None:
-            torch.testing.assert_close(g_o, g_t, **TOL)
+            assert_grad_close(g_o, g_t)
 
 
 CONFIGS = {
@@ -118,8 +126,8 @@ def test_parity_shared_key_value():
     grad_out = torch.randn_like(out_t)
     (out_t * grad_out).sum().backward()
     (out_o * grad_out).sum().backward()
-    torch.testing.assert_close(kv_o.grad, kv_t.grad, **TOL)
-    torch.testing.assert_close(ours.in_proj_weight.grad, theirs.in_proj_weight.grad, **TOL)
+    assert_grad_close(kv_o.grad, kv_t.grad)
+    assert_grad_close(ours.in_proj_weight.grad, theirs.in_proj_weight.grad)
 
 
 def causal_bool(l, s):
