@@ -48,6 +48,7 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
   std::vector<at::Tensor> mem_v(memory_v.begin(), memory_v.end());
   std::optional<at::Tensor> bias = memory_bias;
 
+  auto logits = at::empty({B * beam, embedding.size(0)}, cache_options);
   auto tokens = at::full({B, 1}, bos_id, long_options);
   auto scores = at::zeros({B}, finished_scores.options());
   auto sentences = at::arange(B, long_options);
@@ -60,9 +61,10 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
     x = x.add(positions.select(0, length));
     x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, mem_k, mem_v,
                          bias, std::nullopt, packed, eps);
-    const auto logprobs = log_softmax_linear_cpu(x, embedding, output_packed).to(at::kFloat);
+    auto logprobs = logits.narrow(0, 0, N);
+    log_softmax_linear_out_cpu(x, embedding, output_packed, logprobs);
     auto [next_tokens, next_scores, reorder, next_sentences] = beam_search_step_cpu(
-        logprobs, tokens, scores, sentences, max_len, penalty, finished_tokens, finished_scores,
+        logprobs.to(at::kFloat), tokens, scores, sentences, max_len, penalty, finished_tokens, finished_scores,
         finished_lengths, finished_count, eos_id, nbest);
     const int64_t next_S = next_sentences.numel();
     if (next_S == 0) break;

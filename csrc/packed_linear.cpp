@@ -210,10 +210,25 @@ at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                                   const std::optional<at::Tensor> &packed) {
   if (!packed || x.dim() != 2 || x.scalar_type() != at::kFloat)
     return at::log_softmax(at::linear(x, weight), -1);
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+  log_softmax_linear_out_cpu(x, weight, packed, out);
+  return out;
+}
+
+void log_softmax_linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
+                                const std::optional<at::Tensor> &packed, at::Tensor &out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              "log_softmax_linear: out must be a contiguous (", x.size(0), ", ", weight.size(0),
+              ") tensor in x's dtype, got ", out.sizes(), " ", out.scalar_type());
+  if (!packed || x.scalar_type() != at::kFloat) {
+    at::_log_softmax_out(out, at::linear(x, weight), -1, false);
+    return;
+  }
   check_packed(x, weight, *packed, std::nullopt, "log_softmax_linear");
   const int64_t N = x.size(0), D = x.size(1), O = weight.size(0);
   const auto xc = x.contiguous();
-  auto out = at::empty({N, O}, x.options());
   const float *xp = xc.data_ptr<float>(), *pp = packed->data_ptr<float>();
   float *op = out.data_ptr<float>();
   // One pass over the weight writes the logits and each thread's running log-sum-exp of every
@@ -230,7 +245,6 @@ at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
   at::parallel_for(0, N, std::max<int64_t>(1, 65536 / O), [&](int64_t begin, int64_t end) {
     subtract_rows(op, O, lse.data(), begin, end);
   });
-  return out;
 }
 
 }  // namespace fastattn

@@ -29,4 +29,9 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
 at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                                   const std::optional<at::Tensor> &packed);
 
+// The same into out (N, O), contiguous in x's dtype: a search reuses one buffer for every step,
+// where a fresh N x vocabulary tensor each step costs page faults on every one of its pages.
+void log_softmax_linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
+                                const std::optional<at::Tensor> &packed, at::Tensor &out);
+
 }  // namespace fastattn
