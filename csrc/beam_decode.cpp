@@ -44,41 +44,37 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
   // history[n, j]: the cache row holding row n's position j (rows are reordered, caches are not).
   auto history = at::empty({B * beam, capacity}, long_options);
   auto next_history = at::empty_like(history);
-  std::vector<at::Tensor> mem_k(memory_k.begin(), memory_k.end());
-  std::vector<at::Tensor> mem_v(memory_v.begin(), memory_v.end());
-  std::optional<at::Tensor> bias = memory_bias;
+  // Each row's sentence (its encoder memory row) once some sentence has finished; until then
+  // rows come grouped by sentence in memory order. Finished sentences stay in the memory: moving
+  // the live ones down at every finish copied more than the cross-attention reads.
+  std::optional<at::Tensor> row_sentences;
 
   auto logits = at::empty({B * beam, embedding.size(0)}, cache_options);
   auto tokens = at::full({B, 1}, bos_id, long_options);
   auto scores = at::zeros({B}, finished_scores.options());
   auto sentences = at::arange(B, long_options);
   for (int64_t length = 0; sentences.numel() > 0; ++length) {
-    const int64_t N = tokens.size(0), S = sentences.numel();
+    const int64_t N = tokens.size(0);
     int64_t *own_row = history.data_ptr<int64_t>() + length;
     for (int64_t n = 0; n < N; ++n) own_row[n * capacity] = n;
     // As the Embedding module computes it, op by op, so that both paths agree bit for bit.
     auto x = at::embedding(embedding, tokens.select(1, length)).mul(embedding_scale);
     x = x.add(positions.select(0, length));
-    x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, mem_k, mem_v,
-                         bias, std::nullopt, packed, eps);
+    x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, memory_k,
+                         memory_v, memory_bias, row_sentences, packed, eps);
     auto logprobs = logits.narrow(0, 0, N);
     log_softmax_linear_out_cpu(x, embedding, output_packed, logprobs);
     auto [next_tokens, next_scores, reorder, next_sentences] = beam_search_step_cpu(
-        logprobs.to(at::kFloat), tokens, scores, sentences, max_len, penalty, finished_tokens, finished_scores,
-        finished_lengths, finished_count, eos_id, nbest);
+        logprobs.to(at::kFloat), tokens, scores, sentences, max_len, penalty, finished_tokens,
+        finished_scores, finished_lengths, finished_count, eos_id, nbest);
     const int64_t next_S = next_sentences.numel();
     if (next_S == 0) break;
     next_history.narrow(0, 0, reorder.size(0))
         .narrow(1, 0, length + 1)
         .copy_(history.narrow(1, 0, length + 1).index_select(0, reorder));
     std::swap(history, next_history);
-    if (next_S < S && mem_k[0].size(0) > 1) {
-      // Rows come grouped by sentence, N / S per sentence before the step and beam after it.
-      const auto kept = reorder.slice(0, 0, reorder.size(0), beam).div(N / S, "floor");
-      for (auto &m : mem_k) m = m.index_select(0, kept);
-      for (auto &m : mem_v) m = m.index_select(0, kept);
-      if (bias) bias = bias->index_select(0, kept);
-    }
+    // The step's rows come grouped by sentence, beam per live sentence.
+    if (next_S < B) row_sentences = next_sentences.repeat_interleave(beam);
     tokens = next_tokens, scores = next_scores, sentences = next_sentences;
   }
 }

@@ -14,7 +14,7 @@ namespace fastattn {
 // embedding_scale + positions[position]), run through decoder_step_cpu (params, packed, eps as
 // there) and projected by log_softmax_linear_cpu (the tied embedding, output_packed), and
 // beam_search_step_cpu does the bookkeeping; the self-attention caches follow the surviving rows
-// through a history of cache rows, and finished sentences leave the encoder memory.
+// through a history of cache rows.
 // memory_k[l] (B, H, S, Dk), memory_v[l] (B, H, S, Dv) and memory_bias (B, S) or none come from
 // the encoder; positions (P, d) covers every position decoded (P >= max_len.max()).
 // max_len, penalty and finished_* are beam_search_step_cpu's (finished_* are filled in place).
