@@ -35,22 +35,24 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / \
 
 
 def load():
+    """(model, SentencePiece model, what the model is)."""
     path = os.environ.get("FASTATTN_BENCH_CHECKPOINT") or (
         DEFAULT_CHECKPOINT if DEFAULT_CHECKPOINT.exists() else None)
     if path:
         from fastattn.checkpoint import load_model
 
         model, sp, _ = load_model(path)
-        return model.eval(), sp
+        return model.eval(), sp, f"trained ({Path(path).name})"
     from fastattn.model import Transformer
 
     text = data.load_multi30k("train", "en", "de")
     sp = data.load_sentencepiece(data.train_sentencepiece(list(text.src) + list(text.tgt), 8000))
     torch.manual_seed(0)
-    return Transformer.from_preset("multi30k", vocab_size=8000, dropout=0.0).eval(), sp
+    model = Transformer.from_preset("multi30k", vocab_size=8000, dropout=0.0).eval()
+    return model, sp, "random (untrained)"
 
 
-MODEL, SP = load()
+MODEL, SP, MODEL_KIND = load()
 SOURCES = [SP.encode(s) + [SP.eos_id()] for s in data.load_multi30k("test2016", "en", "de").src]
 
 
@@ -161,7 +163,8 @@ def test_decoding_throughput(benchmark, system, batch_size, threads):
     measure(benchmark, lambda: [decode(b) for b in batches],
             group=f"decoding-batch{batch_size}-{threads}thread{'s' if threads > 1 else ''}",
             min_rounds=2, impl=system, baseline="ctranslate2-float32", sentences=len(sources),
-            threads=threads, beam=BEAM, length_penalty="pow", alpha=ALPHA, **info)
+            threads=threads, beam=BEAM, length_penalty="pow", alpha=ALPHA, model=MODEL_KIND,
+            **info)
 
 
 @pytest.mark.parametrize("impl", ["native", "python"])

@@ -100,6 +100,7 @@ COLUMNS = {
     "peak_memory_bytes": ("peak memory", mebibytes),
     "same_greedy_outputs": ("same greedy outputs as fastattn", lambda v: f"{100 * v:.0f}%"),
     "same_beam_outputs": ("same beam outputs as fastattn", lambda v: f"{100 * v:.0f}%"),
+    "model": ("model", str),
 }
 
 
@@ -148,7 +149,7 @@ def measured_tables(benchmarks: list[dict]) -> list[str]:
             for k in keys:
                 v = info.get(k)
                 fmt = COLUMNS[k][1] if k in COLUMNS else (lambda v: f"{v:,.3g}")
-                row.append(fmt(v) if isinstance(v, int | float) else "–")
+                row.append(fmt(v) if isinstance(v, int | float | str) else "–")
             rows.append(row)
         out.append(f"### {name}\n\n{table(header, rows)}")
     return out
