@@ -154,6 +154,10 @@ def test_load_model(tmp_path):
     assert sp.get_piece_size() == 30
     src = torch.tensor([[5, 6, 7, data.EOS_ID]])
     tgt = torch.tensor([[data.BOS_ID, 8, 9]])
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    # Same weights, but not bitwise the same outputs: BLAS and fused attention kernels may pick
+    # another code path for differently aligned buffers.
     model.eval()
     with torch.no_grad():
-        assert torch.equal(loaded(src, tgt), model(src, tgt))
+        torch.testing.assert_close(loaded(src, tgt), model(src, tgt))
