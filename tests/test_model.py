@@ -199,6 +199,25 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
     assert {len(hyps[0].tokens) for hyps in native} != {1}  # not all EOS at once
 
 
+def test_native_beam_search_does_not_depend_on_earlier_searches():
+    """The native search keeps its buffers from call to call (per thread): a search after
+    larger ones, longer ones and float64 ones returns what it returned the first time."""
+    if not fastattn.model._NATIVE_BEAM_SEARCH:
+        pytest.skip("fastattn._C is not built: no native beam search")
+    model = make_model(replace(TINY, vocab_size=97))
+    small, large = pad_after(tokens(2, 5), [5, 3]), pad_after(tokens(7, 11, seed=3), [11] * 7)
+    options = dict(beam_size=3, bos_id=1, eos_id=2, alpha=0.6)
+
+    def search(model, src, max_len):
+        return [[(h.tokens, h.score) for h in hyps]
+                for hyps in model.beam_search(src, max_len=max_len, **options)]
+
+    first = search(model, small, 6)
+    search(model, large, 30)
+    search(model.double(), large, 20)
+    assert search(model.float(), small, 6) == first
+
+
 def test_decode_step_does_not_rerun_the_prefix(monkeypatch):
     """The matrix products of a step (projections, feed-forward, output) do not grow with the
     length: earlier positions come from the cache. (Attention itself reads O(length) keys.) On
