@@ -290,6 +290,21 @@ void store_position(const at::Tensor &x, int64_t first, scalar_t *cache,
                   xp + n * width + first + h * D, D * sizeof(scalar_t));
 }
 
+// The largest run length R such that sentences (N,) is constant on each run of R rows.
+int64_t same_runs(const at::Tensor &sentences) {
+  const auto contiguous = sentences.contiguous();
+  const int64_t *s = contiguous.data_ptr<int64_t>(), N = sentences.numel();
+  int64_t first = 1;
+  while (first < N && s[first] == s[0]) ++first;
+  for (int64_t R = first; R > 1; --R) {
+    if (N % R != 0) continue;
+    bool runs = true;
+    for (int64_t n = 0; n < N && runs; ++n) runs = s[n] == s[n - n % R];
+    if (runs) return R;
+  }
+  return 1;
+}
+
 void check_rows(const at::Tensor &rows, int64_t groups, int64_t keys, int64_t cache_rows,
                 const char *what) {
   TORCH_CHECK(rows.dim() == 2 && rows.size(0) == groups && rows.size(1) <= keys &&
@@ -382,8 +397,15 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
   }
   const double scale = 1.0 / std::sqrt(static_cast<double>(Dk));
   const auto rows = history.narrow(1, 0, length + 1);
-  const auto memory_rows =
-      sentences ? std::optional<at::Tensor>(sentences->unsqueeze(1).expand({N, S})) : std::nullopt;
+  // Cross-attention groups: rows that come in runs of one sentence (a beam per sentence) are
+  // one group of queries over that sentence's keys and values, read once for all of them.
+  int64_t group = std::max<int64_t>(1, N / B);
+  std::optional<at::Tensor> memory_rows;
+  if (sentences) {
+    group = same_runs(*sentences);
+    const auto group_sentences = sentences->view({N / group, group}).select(1, 0);
+    memory_rows = group_sentences.unsqueeze(1).expand({N / group, S});
+  }
   const at::Tensor *bias = memory_bias ? &*memory_bias : nullptr;
 
   at::Tensor y = x.contiguous().clone();
@@ -411,13 +433,9 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
     // Attention over the encoder output: rows grouped by sentence are that sentence's queries.
     const auto cq = linear(y, 2);
     auto c = at::empty({N, H * Dv}, y.options());
-    if (memory_rows) {
-      attend(cq.view({N, H, 1, Dk}), memory_k[l], memory_v[l], bias, scale, &*memory_rows,
-             c.view({N, H, 1, Dv}));
-    } else {
-      attend(cq.view({B, N / B, H, Dk}).transpose(1, 2), memory_k[l], memory_v[l], bias, scale,
-             nullptr, c.view({B, N / B, H, Dv}).transpose(1, 2));
-    }
+    attend(cq.view({N / group, group, H, Dk}).transpose(1, 2), memory_k[l], memory_v[l], bias,
+           scale, memory_rows ? &*memory_rows : nullptr,
+           c.view({N / group, group, H, Dv}).transpose(1, 2));
     add_layer_norm_(y, linear(c, 3), p[10], p[11], eps);
     // Feed-forward network.
     auto hidden = linear(y, 4);
