@@ -526,10 +526,11 @@ class Transformer(nn.Module):
         if self.training:
             raise RuntimeError("decoding is inference: call model.eval() first")
         memory, mask = self.encode(src)
+        # Views into each layer's (B, S, 2·h·d) projection: the attention reads any strides.
         memory_kv = [layer.cross_attention.memory_kv(memory) for layer in self.decoder.layers]
         return DecodingState(
-            memory_k=[k.contiguous() for k, _ in memory_kv],
-            memory_v=[v.contiguous() for _, v in memory_kv],
+            memory_k=[k for k, _ in memory_kv],
+            memory_v=[v for _, v in memory_kv],
             memory_mask=mask,
             capacity=capacity or src.shape[1] + 50,
         )
