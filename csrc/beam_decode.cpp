@@ -15,10 +15,20 @@ namespace {
 // The search's large buffers (self-attention caches, logits, histories: ~20 MB for 64 sentences
 // of the multi30k model) outlive a call, one set per calling thread. Allocated afresh, glibc
 // hands buffers this size back to the OS when they are freed, and every search page-faulted
-// them in again: 12,000 faults, about a tenth of a batch-64 search.
+// them in again: 12,000 faults, about a tenth of a batch-64 search. Sets over kKeptBytes (big
+// models, big batches: more arithmetic per page) are freed after the call instead.
 struct Workspace {
   at::Tensor self_k, self_v, history, next_history, logits;
+
+  int64_t bytes() const {
+    int64_t total = 0;
+    for (const auto *t : {&self_k, &self_v, &history, &next_history, &logits})
+      total += t->defined() ? static_cast<int64_t>(t->nbytes()) : 0;
+    return total;
+  }
 };
+
+constexpr int64_t kKeptBytes = int64_t{256} << 20;
 
 at::Tensor reuse(at::Tensor &buffer, at::IntArrayRef sizes, const at::TensorOptions &options) {
   const int64_t numel = c10::multiply_integers(sizes);
@@ -100,6 +110,7 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
     if (next_S < B) row_sentences = next_sentences.repeat_interleave(beam);
     tokens = next_tokens, scores = next_scores, sentences = next_sentences;
   }
+  if (workspace.bytes() > kKeptBytes) workspace = Workspace{};
 }
 
 }  // namespace fastattn

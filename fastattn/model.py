@@ -577,8 +577,9 @@ class Transformer(nn.Module):
         hypotheses, best first. On CPU with fastattn._C the whole search is one native call
         (fastattn::transformer_beam_search), else beam_search over decode_step; both give the
         same tokens and scores. The native search keeps its largest buffers (caches and logits,
-        about 20 MB for 64 sentences of the multi30k model) for the next call on the same
-        thread: allocating them afresh cost a tenth of a batch-64 search in page faults."""
+        about 20 MB for 64 sentences of the multi30k model; sets over 256 MB are freed) for the
+        next call on the same thread: allocating them afresh cost a tenth of a batch-64 search
+        in page faults."""
         setup = BeamSearchSetup.create(src.shape[0], beam_size, nbest, max_len, alpha,
                                        length_penalty, src.device)
         if src.shape[0] == 0:
