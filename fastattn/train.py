@@ -37,7 +37,9 @@ from fastattn.cli import HelpFormatter
 from fastattn.model import PRESETS, Transformer, TransformerConfig
 from fastattn.translate import Translator
 
-MODEL_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads", "dropout")
+SIZE_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads")
+DROPOUT_FLAGS = ("dropout", "attention_dropout", "activation_dropout")
+MODEL_FLAGS = SIZE_FLAGS + DROPOUT_FLAGS
 
 # Paper values where the defaults differ, shown by --help.
 PAPER = {
@@ -167,6 +169,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--dropout", type=float,
         help="P_drop on sub-layers and embeddings (default: the preset's; paper: 0.1 base, "
         "0.3 big)")
+    add(g, "--attention-dropout", type=float,
+        help="dropout on the attention weights (default: the preset's; not in the paper)")
+    add(g, "--activation-dropout", type=float,
+        help="dropout after the feed-forward ReLU (default: the preset's; not in the paper)")
 
     g = parser.add_argument_group("optimisation")
     add(g, "--lr-scale", type=float, default=2.5, help="multiplies the paper's schedule")
@@ -252,11 +258,12 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                  "save_every_minutes", "label_smoothing", "max_len_b"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
-    if args.dropout is not None and not 0 <= args.dropout < 1:
-        parser.error("--dropout must be in [0, 1)")
+    for name in DROPOUT_FLAGS:
+        if getattr(args, name) is not None and not 0 <= getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be in [0, 1)")
     if not 0 <= args.label_smoothing < 1:
         parser.error("--label-smoothing must be in [0, 1)")
-    for name in MODEL_FLAGS[:-1]:
+    for name in SIZE_FLAGS:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.lr_scale <= 0:
@@ -266,6 +273,14 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 # --- setup -------------------------------------------------------------------------------------
+
+
+def model_config(args: argparse.Namespace, vocab_size: int) -> TransformerConfig:
+    """The preset with the model flags that were given applied to it."""
+    overrides = {name: getattr(args, name) for name in MODEL_FLAGS
+                 if getattr(args, name) is not None}
+    return replace(PRESETS[args.preset], vocab_size=vocab_size, pad_id=data.PAD_ID,
+                   label_smoothing=args.label_smoothing, **overrides)
 
 
 @dataclass
@@ -457,11 +472,7 @@ class Run:
         if state is not None:  # a resumed run keeps its model, whatever the flags say now
             config = TransformerConfig(**state["config"])
         else:
-            overrides = {name: getattr(args, name) for name in MODEL_FLAGS
-                         if getattr(args, name) is not None}
-            config = replace(PRESETS[args.preset], vocab_size=self.sp.get_piece_size(),
-                             pad_id=data.PAD_ID, label_smoothing=args.label_smoothing,
-                             **overrides)
+            config = model_config(args, self.sp.get_piece_size())
         self.config = config
         self.model = Transformer(config).to(self.device)
         self.log(f"model: {self.model.num_parameters():,} parameters, {config}")

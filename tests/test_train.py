@@ -14,7 +14,14 @@ import torch
 
 from fastattn import checkpoint, data
 from fastattn.model import PRESETS, Transformer
-from fastattn.train import LossModule, learning_rate, parse_args, pick_precision, train_step
+from fastattn.train import (
+    LossModule,
+    learning_rate,
+    model_config,
+    parse_args,
+    pick_precision,
+    train_step,
+)
 
 
 def test_learning_rate_schedule():
@@ -121,6 +128,9 @@ def test_auto_precision_on_cpu_follows_the_hardware(monkeypatch, has_bf16):
         (["--data", "files"], "needs --train"),
         (["--src", "cs"], "multi30k languages"),
         (["--dropout", "1.5"], "--dropout must be in"),
+        (["--attention-dropout", "-0.1"], "--attention-dropout must be in"),
+        (["--activation-dropout", "1"], "--activation-dropout must be in"),
+        (["--d-model", "0"], "--d-model must be at least 1"),
         (["--preset", "huge"], "invalid choice"),
         (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
         (["--warmup", "many"], "invalid int value"),
@@ -138,6 +148,15 @@ def test_help_shows_defaults_and_paper_values(capsys):
         parse_args(["--help"])
     out = capsys.readouterr().out
     assert "[paper: 4000]" in out and "(default: 1000)" in out and "[paper: base]" in out
+
+
+def test_model_flags_override_the_preset_and_nothing_else():
+    preset = PRESETS["multi30k"]
+    assert model_config(parse_args([]), 4000) == replace(preset, vocab_size=4000)
+    config = model_config(parse_args(["--d-ff", "512", "--attention-dropout", "0.1",
+                                      "--activation-dropout", "0.2", "--dropout", "0.25"]), 123)
+    assert config == replace(preset, vocab_size=123, d_ff=512, dropout=0.25,
+                             attention_dropout=0.1, activation_dropout=0.2)
 
 
 # --- the command line, in subprocesses ---------------------------------------------------------
