@@ -434,6 +434,10 @@ class Run:
             torch.set_num_threads(args.threads)
         self.autocast, use_scaler = pick_precision(args.precision, self.device)
         self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
+        precision = {None: "fp32", torch.bfloat16: "bf16 autocast",
+                     torch.float16: "fp16 autocast with dynamic loss scaling"}[self.autocast]
+        self.log(f"device {self.device}, {torch.get_num_threads()} threads per process, "
+                 f"{precision}")
 
         resume = checkpoint.list_checkpoints(args.save_dir)[-1:] if args.resume else []
         if args.resume and not resume:
