@@ -2,6 +2,7 @@
 exact resume after SIGKILL."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -13,9 +14,12 @@ import pytest
 import torch
 
 from fastattn import checkpoint, data
+from fastattn import train as train_module
 from fastattn.model import PRESETS, Transformer
 from fastattn.train import (
+    BF16_MIN_SPEEDUP,
     LossModule,
+    bf16_matmul_speedup,
     learning_rate,
     model_config,
     parse_args,
@@ -109,14 +113,33 @@ def test_clipping_bounds_the_update():
     assert float(moved.norm()) == pytest.approx(0.01, rel=1e-4)
 
 
-@pytest.mark.parametrize("has_bf16", [True, False])
-def test_auto_precision_on_cpu_follows_the_hardware(monkeypatch, has_bf16):
-    """bf16 autocast only where the CPU has bf16 instructions: elsewhere bf16 matmuls take a
-    generic path far slower than fp32."""
+@pytest.mark.parametrize(("has_bf16", "speedup", "expected"), [
+    (False, None, None),  # no bf16 instructions: fp32 without measuring
+    (True, 0.6, None),  # AVX-512 BF16 without AMX, as measured on an Intel Xeon
+    (True, BF16_MIN_SPEEDUP - 0.01, None),
+    (True, BF16_MIN_SPEEDUP, torch.bfloat16),
+    (True, 4.0, torch.bfloat16),  # AMX
+])
+def test_auto_precision_on_cpu_follows_the_measured_speed(monkeypatch, has_bf16, speedup,
+                                                          expected):
+    """bf16 autocast on a CPU only where bf16 matmuls measure clearly faster than fp32: without
+    bf16 instructions they take a generic path far slower, and with AVX-512 BF16 alone they can
+    still be slower."""
+    def measured() -> float:
+        assert has_bf16, "measured on a CPU without bf16 instructions"
+        return speedup
+
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: has_bf16)
-    dtype, scaled = pick_precision("auto", torch.device("cpu"))
-    assert dtype == (torch.bfloat16 if has_bf16 else None) and not scaled
-    assert pick_precision("bf16", torch.device("cpu")) == (torch.bfloat16, False)
+    monkeypatch.setattr(train_module, "bf16_matmul_speedup", measured)
+    dtype, scaled, why = pick_precision("auto", torch.device("cpu"))
+    assert dtype == expected and not scaled
+    assert why.startswith("auto")
+    assert pick_precision("bf16", torch.device("cpu")) == (torch.bfloat16, False, "as asked")
+
+
+def test_bf16_matmul_speedup_is_a_measured_ratio():
+    speedup = bf16_matmul_speedup()
+    assert math.isfinite(speedup) and speedup > 0
 
 
 @pytest.mark.parametrize(
