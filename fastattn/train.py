@@ -324,7 +324,7 @@ BF16_MIN_SPEEDUP = 1.25  # a bf16 step also pays for casts, so its matmuls must 
 def bf16_matmul_speedup() -> float:
     """fp32 time / bf16 time of a matmul shaped like a training step's (2048 tokens, 256 to
     1024 features) on this CPU, best of five each: AMX makes bf16 several times faster, AVX-512
-    BF16 alone can make it slower (0.6× measured on an Intel Xeon without AMX)."""
+    BF16 alone can make it slower (0.5–0.9× on an Intel Xeon without AMX)."""
     a, b = torch.randn(2048, 256), torch.randn(256, 1024)
 
     def best_time(x: torch.Tensor, y: torch.Tensor) -> float:
