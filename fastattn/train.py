@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -154,6 +155,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--max-len", type=int, default=256, help="drop training pairs with a longer side")
     add(g, "--max-len-ratio", type=float, default=3.0,
         help="drop training pairs whose longer side is this many times the shorter")
+    add(g, "--bpe-dropout", type=float, default=0.0,
+        help="BPE-dropout rate: training sentences get a randomly perturbed segmentation "
+        "(Provilkov et al., 2020; not in the paper)")
     add(g, "--max-tokens", type=int, default=16000,
         help="source + target tokens (padding included) per micro-batch per rank")
     add(g, "--seed", type=int, default=1,
@@ -262,6 +266,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in DROPOUT_FLAGS:
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1)")
+    if not 0 <= args.bpe_dropout < 1:
+        parser.error("--bpe-dropout must be in [0, 1)")
     if not 0 <= args.label_smoothing < 1:
         parser.error("--label-smoothing must be in [0, 1)")
     for name in SIZE_FLAGS:
@@ -498,8 +504,23 @@ class Run:
                  f"ratio over {args.max_len_ratio}")
         self.src_ids = [train.src_ids[i] for i in keep]
         self.tgt_ids = [train.tgt_ids[i] for i in keep]
+        src_lengths, tgt_lengths = map(lambda ids: [len(s) for s in ids],
+                                       (self.src_ids, self.tgt_ids))
+        self.bpe_dropout = None
+        if args.bpe_dropout > 0:
+            started = time.time()
+            self.bpe_dropout = data.BPEDropout(self.sp, self.src_ids + self.tgt_ids,
+                                               args.bpe_dropout, seed=args.seed)
+            # Batches are planned on the expected sampled lengths, so they hold about
+            # --max-tokens tokens whatever segmentation each sentence then gets.
+            lengths = [math.ceil(n) for n in self.bpe_dropout.expected_lengths]
+            src_lengths, tgt_lengths = lengths[: len(keep)], lengths[len(keep):]
+            growth = sum(lengths) / sum(map(len, self.src_ids + self.tgt_ids))
+            self.log(f"BPE-dropout {args.bpe_dropout}: {self.bpe_dropout.samples} segmentations "
+                     f"of each of {len(self.bpe_dropout.segmentations)} words drawn in "
+                     f"{time.time() - started:.1f}s, {growth:.2f}x the tokens on average")
         self.batches = data.TokenBatches(
-            [len(s) + 1 for s in self.src_ids], [len(t) + 1 for t in self.tgt_ids],
+            [n + 1 for n in src_lengths], [n + 1 for n in tgt_lengths],
             args.max_tokens, seed=args.seed, rank=self.rank, world_size=self.world,
         )
         self.epoch_batches = len(self.batches)
@@ -603,7 +624,16 @@ class Run:
             self.epoch, self.epoch_step = group[-1][0], group[-1][1] + 1
             if self.epoch_step == self.epoch_batches:  # the update ended an epoch
                 self.epoch, self.epoch_step = self.epoch + 1, 0
-            yield [data.collate(self.src_ids, self.tgt_ids, b) for _, _, b in group]
+            yield [self.collate(epoch, i, b) for epoch, i, b in group]
+
+    def collate(self, epoch: int, step: int, indices: Sequence[int]):
+        if self.bpe_dropout is None:
+            return data.collate(self.src_ids, self.tgt_ids, indices)
+        # Seeded by the position, so a resumed run samples what the uninterrupted one did.
+        rng = np.random.default_rng([self.args.seed, epoch, step, self.rank])
+        src = self.bpe_dropout.sample(indices, rng)
+        tgt = self.bpe_dropout.sample([len(self.src_ids) + i for i in indices], rng)
+        return data.collate(src, tgt, range(len(indices)))
 
     def finished(self) -> bool:
         args = self.args
