@@ -113,6 +113,49 @@ def test_sentencepiece_joint_model_is_deterministic_and_round_trips():
     assert sp.decode(ids) == SENTENCES[:3]
 
 
+@pytest.fixture(scope="module")
+def multi30k_bpe():
+    """A 1000-piece BPE model of the first 2000 Multi30k en-de pairs, and those sentences' ids."""
+    train = data.load_multi30k("train", "en", "de")
+    sentences = train.src[:2000] + train.tgt[:2000]
+    sp = data.load_sentencepiece(data.train_sentencepiece(sentences, vocab_size=1000))
+    return sp, data.encode(sp, sentences)
+
+
+def test_bpe_dropout_at_zero_is_sentencepiece_bpe(multi30k_bpe):
+    sp, ids = multi30k_bpe
+    dropout = data.BPEDropout(sp, ids[:10], p=0.5, samples=1)
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    words = {word for sentence in ids for word in data._words(sentence, pieces)}
+    assert len(words) > 3000
+    rng = np.random.default_rng(0)
+    for word in words:
+        segmented = dropout._segment("".join(pieces[i] for i in word), 0.0, rng)
+        assert segmented == [pieces[i] for i in word]
+
+
+def test_bpe_dropout_samples_keep_the_text_and_depend_only_on_the_seeds(multi30k_bpe):
+    sp, ids = multi30k_bpe
+    dropout = data.BPEDropout(sp, ids, p=0.1, seed=3)
+    assert dropout.segmentations == data.BPEDropout(sp, ids, p=0.1, seed=3).segmentations
+    indices = list(range(0, len(ids), 5))
+    first = dropout.sample(indices, np.random.default_rng([1, 2]))
+    assert first == dropout.sample(indices, np.random.default_rng([1, 2]))
+    assert first != dropout.sample(indices, np.random.default_rng([1, 3]))
+    assert [sp.decode(s) for s in first] == [sp.decode(ids[i]) for i in indices]
+    sampled, plain = sum(map(len, first)), sum(len(ids[i]) for i in indices)
+    assert 1.02 * plain < sampled < 1.5 * plain  # perturbed: longer, but not characters
+    expected = sum(dropout.expected_lengths[i] for i in indices)
+    assert sampled == pytest.approx(expected, rel=0.03)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, -0.1])
+def test_bpe_dropout_rate_out_of_range(multi30k_bpe, p):
+    sp, ids = multi30k_bpe
+    with pytest.raises(ValueError, match="BPE-dropout p must be in"):
+        data.BPEDropout(sp, ids, p=p)
+
+
 @pytest.mark.parametrize("vocab_size, reason", [
     (5, "smaller than required_chars"),  # fewer pieces than distinct characters
     (100_000, "too high"),  # more pieces than the text can give

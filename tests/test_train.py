@@ -153,6 +153,7 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--dropout", "1.5"], "--dropout must be in"),
         (["--attention-dropout", "-0.1"], "--attention-dropout must be in"),
         (["--activation-dropout", "1"], "--activation-dropout must be in"),
+        (["--bpe-dropout", "1"], "--bpe-dropout must be in [0, 1)"),
         (["--d-model", "0"], "--d-model must be at least 1"),
         (["--preset", "huge"], "invalid choice"),
         (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
@@ -221,18 +222,20 @@ def losses(metrics_path):
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_continue_exactly(tmp_path):
+@pytest.mark.parametrize("flags", [(), ("--bpe-dropout", "0.1")], ids=["plain", "bpe-dropout"])
+def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
     paths = corpus(tmp_path)
     updates, kill_after = 24, 8
     reference = subprocess.run(
-        train_command(paths, tmp_path / "ref", "--max-updates", updates, "--save-every", 4),
+        train_command(paths, tmp_path / "ref", "--max-updates", updates, "--save-every", 4,
+                      *flags),
         capture_output=True, text=True, timeout=600, env=TORCH_OPS)
     assert reference.returncode == 0, reference.stderr
     expected = losses(tmp_path / "ref" / "metrics.jsonl")
     assert sorted(expected) == list(range(1, updates + 1))
 
     run_dir = tmp_path / "run"
-    command = train_command(paths, run_dir, "--max-updates", updates, "--save-every", 4)
+    command = train_command(paths, run_dir, "--max-updates", updates, "--save-every", 4, *flags)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                env=TORCH_OPS)
     deadline = time.time() + 600
