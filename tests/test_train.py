@@ -222,7 +222,8 @@ def losses(metrics_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [(), ("--bpe-dropout", "0.1")], ids=["plain", "bpe-dropout"])
+@pytest.mark.parametrize("flags", [("--bpe-dropout", "0"), ("--bpe-dropout", "0.1")],
+                         ids=["plain", "bpe-dropout"])
 def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
     paths = corpus(tmp_path)
     updates, kill_after = 24, 8
