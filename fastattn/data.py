@@ -1,5 +1,5 @@
 """Parallel text for training and evaluation: reading and checking, a joint SentencePiece
-vocabulary, length filtering and token-bucket batches.
+vocabulary and BPE-dropout on it, length filtering and token-bucket batches.
 
 Text is read strictly: every line is stripped and must be non-empty valid UTF-8, and the two sides
 must have the same number of lines. Anything else raises DataError with a one-line message that
