@@ -170,10 +170,9 @@ class BPEDropout:
                  p: float, seed: int = 0, samples: int = 16) -> None:
         if not 0 < p < 1:
             raise ValueError(f"BPE-dropout p must be in (0, 1), not {p}")
-        self.sp = sp
         pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
         self._scores = {piece: sp.get_score(i) for i, piece in enumerate(pieces)
-                        if len(piece) > 1 and sp.is_control(i) + sp.is_unknown(i) == 0}
+                        if len(piece) > 1 and not (sp.is_control(i) or sp.is_unknown(i))}
         types: dict[tuple[int, ...], int] = {}
         self.words = []  # per sentence: the type index of each word
         for ids in sentences:

@@ -504,8 +504,8 @@ class Run:
                  f"ratio over {args.max_len_ratio}")
         self.src_ids = [train.src_ids[i] for i in keep]
         self.tgt_ids = [train.tgt_ids[i] for i in keep]
-        src_lengths, tgt_lengths = map(lambda ids: [len(s) for s in ids],
-                                       (self.src_ids, self.tgt_ids))
+        src_lengths = [len(s) for s in self.src_ids]
+        tgt_lengths = [len(t) for t in self.tgt_ids]
         self.bpe_dropout = None
         if args.bpe_dropout > 0:
             started = time.time()
@@ -514,8 +514,8 @@ class Run:
             # Batches are planned on the expected sampled lengths, so they hold about
             # --max-tokens tokens whatever segmentation each sentence then gets.
             lengths = [math.ceil(n) for n in self.bpe_dropout.expected_lengths]
+            growth = sum(lengths) / (sum(src_lengths) + sum(tgt_lengths))
             src_lengths, tgt_lengths = lengths[: len(keep)], lengths[len(keep):]
-            growth = sum(lengths) / sum(map(len, self.src_ids + self.tgt_ids))
             self.log(f"BPE-dropout {args.bpe_dropout}: {self.bpe_dropout.samples} segmentations "
                      f"of each of {len(self.bpe_dropout.segmentations)} words drawn in "
                      f"{time.time() - started:.1f}s, {growth:.2f}x the tokens on average")
@@ -626,7 +626,8 @@ class Run:
                 self.epoch, self.epoch_step = self.epoch + 1, 0
             yield [self.collate(epoch, i, b) for epoch, i, b in group]
 
-    def collate(self, epoch: int, step: int, indices: Sequence[int]):
+    def collate(self, epoch: int, step: int, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """The batch at this data position, in a freshly sampled segmentation with BPE-dropout."""
         if self.bpe_dropout is None:
             return data.collate(self.src_ids, self.tgt_ids, indices)
         # Seeded by the position, so a resumed run samples what the uninterrupted one did.
