@@ -52,6 +52,7 @@ PAPER = {
     "max_updates": "100000 (base), 300000 (big)",
     "average_last": "5 (base), 20 (big)",
     "precision": "fp32 (P100 GPUs)",
+    "alpha": "0.6, chosen on its dev set",
 }
 
 
@@ -214,7 +215,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--eval-every", type=int, default=1000,
         help="dev loss and greedy dev BLEU every N updates (0: never)")
     add(g, "--beam", type=int, default=4, help="test beam size")
-    add(g, "--alpha", type=float, default=0.6, help="length penalty ((5+|Y|)/6)^alpha")
+    add(g, "--alpha", type=_alphas, default="0.6,1.0,1.5,2.0", metavar="A[,A...]",
+        help="length penalty ((5+|Y|)/6)^alpha; given several, the final model decodes the dev "
+        "set with each and keeps the best (it is stored in the checkpoint for translate)")
     add(g, "--max-len-b", type=int, default=50, help="hypotheses get source length + this")
     add(g, "--eval-batch-tokens", type=int, default=4096,
         help="source tokens per decoding batch")
@@ -242,6 +245,16 @@ def _adder(parser: argparse.ArgumentParser):
         return group.add_argument(flag, **kwargs)
 
     return add
+
+
+def _alphas(text: str) -> list[float]:
+    try:
+        alphas = [float(a) for a in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}")
+    if any(not a >= 0 for a in alphas):
+        raise argparse.ArgumentTypeError(f"length penalty exponents must be >= 0: {text!r}")
+    return alphas
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -725,7 +738,8 @@ class Run:
             dev = self.splits["valid"]
             started = time.time()
             loss, nll = dev_loss(self.model, dev, self.args.max_tokens, self.autocast)
-            hyps = translate(self.model, self.sp, dev.text.src, beam=1, alpha=self.args.alpha,
+            # Greedy search: alpha changes no output.
+            hyps = translate(self.model, self.sp, dev.text.src, beam=1, alpha=0.0,
                              max_len_b=self.args.max_len_b,
                              batch_tokens=self.args.eval_batch_tokens)
             scores = bleu_scores(hyps, dev, self.args.tgt)
@@ -741,36 +755,60 @@ class Run:
             dist.barrier()
 
     def finish(self) -> None:
-        """Averages the last checkpoints and reports test BLEU (beam search) on rank 0."""
+        """Averages the last checkpoints, chooses the length penalty on dev and reports test BLEU
+        (beam search) on rank 0."""
         if not self.main:
             return
         args = self.args
         paths = checkpoint.list_checkpoints(args.save_dir)[-args.average_last:]
         final = Path(args.save_dir) / "checkpoint_final.pt"
-        checkpoint.save_checkpoint(final, checkpoint.average_checkpoints(paths))
+        state = checkpoint.average_checkpoints(paths)
+        checkpoint.save_checkpoint(final, state)
         self.log(f"averaged the last {len(paths)} checkpoints into {final}")
         model, sp, _ = checkpoint.load_model(final, self.device)
+        alpha = self.choose_alpha(model, sp)
+        state["meta"]["alpha"] = alpha
+        checkpoint.save_checkpoint(final, state)
         name = "test" if "test" in self.splits else "valid"
         split = self.splits[name]
         started = time.time()
-        hyps = translate(model, sp, split.text.src, beam=args.beam, alpha=args.alpha,
+        hyps = translate(model, sp, split.text.src, beam=args.beam, alpha=alpha,
                          max_len_b=args.max_len_b, batch_tokens=args.eval_batch_tokens)
         scores = bleu_scores(hyps, split, args.tgt)
         output = Path(args.save_dir) / f"{name}.hyp.{args.tgt}"
         output.write_text("\n".join(hyps) + "\n", encoding="utf-8")
         self.write_metrics({"step": self.step, f"{name}_bleu": scores["bleu"],
-                            f"{name}_tok_bleu": scores["tok_bleu"],
+                            f"{name}_tok_bleu": scores["tok_bleu"], "alpha": alpha,
                             "signature": scores["signature"], "time": time.time()})
         if args.plot:
             plot_metrics(self.args.metrics, args.plot)
             self.log(f"training curves: {args.plot}")
         tokenized = "official tokenized references" if split.tokenized_refs is not None \
             else "Moses tokenization with compound splitting"
-        print(f"{name} ({len(hyps)} sentences, beam {args.beam}, alpha {args.alpha}, "
+        print(f"{name} ({len(hyps)} sentences, beam {args.beam}, alpha {alpha}, "
               f"{time.time() - started:.0f}s), translations in {output}")
         print(f"{name} BLEU {scores['bleu']:.2f}  {scores['signature']}")
         print(f"{name} tokenized BLEU {scores['tok_bleu']:.2f}  (lowercased, {tokenized})")
         print(f"checkpoint: {final}")
+
+    def choose_alpha(self, model: Transformer, sp) -> float:
+        """The --alpha with the best tokenized dev BLEU under beam search (the paper chose its
+        length penalty on dev): models trained on little data write too short translations."""
+        alphas = self.args.alpha
+        if len(alphas) == 1:
+            return alphas[0]
+        dev, found = self.splits["valid"], {}
+        for alpha in alphas:
+            hyps = translate(model, sp, dev.text.src, beam=self.args.beam, alpha=alpha,
+                             max_len_b=self.args.max_len_b,
+                             batch_tokens=self.args.eval_batch_tokens)
+            found[alpha] = bleu_scores(hyps, dev, self.args.tgt)["tok_bleu"]
+        best = max(alphas, key=found.__getitem__)  # ties: the first given
+        self.write_metrics({"step": self.step, "alpha_dev_tok_bleu": found, "alpha": best,
+                            "time": time.time()})
+        self.log("beam dev tokenized BLEU by alpha: "
+                 + ", ".join(f"{a} {b:.2f}" for a, b in found.items()) + f"; alpha {best}")
+        return best
 
 
 def plot_metrics(metrics: str | Path, png: str | Path) -> None:

@@ -1,6 +1,6 @@
 """Translation with a trained checkpoint: `python -m fastattn.translate` and fastattn.Translator.
 
-    python -m fastattn.translate --checkpoint CKPT [--beam 4] [--alpha 0.6] [--max-len-a 1]
+    python -m fastattn.translate --checkpoint CKPT [--beam 4] [--alpha A] [--max-len-a 1]
         [--max-len-b 50] [--nbest N] [--batch-tokens N] < input > output
 
 Reads raw sentences, one per line, encodes them with the checkpoint's SentencePiece model, sorts
@@ -8,8 +8,9 @@ a bounded window of them by length into batches of about --batch-tokens source t
 each batch with the cached decoder and beam search (Transformer.beam_search: one native call per
 batch on CPU), and writes the detokenized translations in input order as soon as their window is
 done: memory does not grow with the input.
-Defaults are the paper's: beam 4, α = 0.6 with the GNMT length penalty, at most source length +
-50 tokens (the source length counts the EOS that ends it).
+Defaults are the paper's: beam 4, the GNMT length penalty with the α that fastattn.train chose
+on dev (stored in the checkpoint; else the paper's 0.6), at most source length + 50 tokens (the
+source length counts the EOS that ends it).
 Output: one translation per line; with --scores "score<TAB>translation"; with --nbest N > 1,
 N lines "line number<TAB>score<TAB>translation" per input line (numbered from 0), best first.
 """
@@ -83,7 +84,9 @@ class Translator:
     ) -> Translator:
         from fastattn.checkpoint import load_model
 
-        model, sp, _ = load_model(path, device)
+        model, sp, meta = load_model(path, device)
+        if options.get("alpha") is None:  # the length penalty training chose on dev, if any
+            options["alpha"] = meta.get("alpha", 0.6)
         return cls(model, sp, **options)
 
     def translate(self, sentences: Sequence[str]) -> list[str]:
@@ -238,7 +241,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--checkpoint", required=True, help="a checkpoint of fastattn.train")
     parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty exponent α")
+    parser.add_argument("--alpha", type=float,
+                        help="length penalty exponent α (default: the one fastattn.train chose "
+                        "on dev, stored in the checkpoint; else 0.6)")
     parser.add_argument("--length-penalty", choices=["gnmt", "pow"], default="gnmt",
                         help="gnmt: ((5 + |Y|) / 6)^α as in the paper; pow: |Y|^α")
     parser.add_argument("--max-len-a", type=float, default=1.0,

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -158,6 +159,8 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--preset", "huge"], "invalid choice"),
         (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
         (["--warmup", "many"], "invalid int value"),
+        (["--alpha", "0.6,-1"], "length penalty exponents must be >= 0"),
+        (["--alpha", "0.6;1"], "not a comma-separated list of numbers"),
     ],
 )
 def test_bad_flags(argv, message, capsys):
@@ -264,6 +267,38 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
     final_run = checkpoint.load_checkpoint(run_dir / f"checkpoint_{updates:08d}.pt")
     for name, tensor in final_ref["model"].items():
         assert torch.equal(tensor, final_run["model"][name]), name
+
+
+def test_choose_alpha_keeps_the_best_dev_bleu_and_the_first_of_ties(monkeypatch):
+    dev_bleu = {0.6: 30.0, 1.0: 31.5, 1.5: 32.0, 2.0: 32.0}
+    monkeypatch.setattr(train_module, "translate", lambda *_, alpha, **__: [str(alpha)])
+    monkeypatch.setattr(train_module, "bleu_scores",
+                        lambda hyps, *_: {"tok_bleu": dev_bleu[float(hyps[0])]})
+    records = []
+    run = SimpleNamespace(
+        args=parse_args(["--alpha", "0.6,1.0,1.5,2.0"]), splits={"valid": SimpleNamespace(
+            text=SimpleNamespace(src=["a"]))}, step=7, write_metrics=records.append,
+        log=lambda message: None)
+    assert train_module.Run.choose_alpha(run, model=None, sp=None) == 1.5
+    assert records[0]["alpha"] == 1.5 and records[0]["alpha_dev_tok_bleu"] == dev_bleu
+    run.args = parse_args(["--alpha", "2"])  # one value: no decoding
+    assert train_module.Run.choose_alpha(run, model=None, sp=None) == 2.0 and len(records) == 1
+
+
+@pytest.mark.slow
+def test_the_final_model_and_test_decoding_use_the_chosen_alpha(tmp_path):
+    paths = corpus(tmp_path)
+    result = subprocess.run(
+        train_command(paths, tmp_path / "run", "--max-updates", 6, "--alpha", "0,1,3"),
+        capture_output=True, text=True, timeout=600, env=TORCH_OPS)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line)
+               for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    [choice] = [r for r in records if "alpha_dev_tok_bleu" in r]
+    assert [float(a) for a in choice["alpha_dev_tok_bleu"]] == [0.0, 1.0, 3.0]
+    assert f"alpha {choice['alpha']}," in result.stdout  # the test set was decoded with it
+    final = tmp_path / "run" / "checkpoint_final.pt"
+    assert checkpoint.load_checkpoint(final)["meta"]["alpha"] == choice["alpha"]
 
 
 def run_cli(*argv):

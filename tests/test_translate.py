@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fastattn import data
-from fastattn.checkpoint import save_checkpoint
+from fastattn.checkpoint import load_checkpoint, save_checkpoint
 from fastattn.model import Transformer
 from fastattn.search import beam_search
 from fastattn.translate import Translator, main
@@ -39,6 +39,15 @@ def checkpoint(tmp_path_factory):
     state = {"model": model.state_dict(), "config": asdict(model.cfg), "spm": proto, "meta": {}}
     save_checkpoint(path, state)
     return path
+
+
+def test_the_length_penalty_defaults_to_the_one_training_chose(checkpoint, tmp_path):
+    assert Translator.from_checkpoint(checkpoint).alpha == 0.6  # none stored: the paper's
+    state = load_checkpoint(checkpoint)
+    state["meta"]["alpha"] = 1.5
+    save_checkpoint(tmp_path / "tuned.pt", state)
+    assert Translator.from_checkpoint(tmp_path / "tuned.pt").alpha == 1.5
+    assert Translator.from_checkpoint(tmp_path / "tuned.pt", alpha=0.0).alpha == 0.0
 
 
 def test_translator_matches_a_direct_beam_search(checkpoint):
