@@ -251,7 +251,8 @@ def _alphas(text: str) -> list[float]:
     try:
         alphas = [float(a) for a in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of numbers: {text!r}") from None
     if any(not a >= 0 for a in alphas):
         raise argparse.ArgumentTypeError(f"length penalty exponents must be >= 0: {text!r}")
     return alphas
