@@ -40,7 +40,8 @@ from fastattn.translate import Translator
 
 SIZE_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads")
 DROPOUT_FLAGS = ("dropout", "attention_dropout", "activation_dropout")
-MODEL_FLAGS = SIZE_FLAGS + DROPOUT_FLAGS
+# the preset gives each of these unless the flag is given (table3-D3/D4 vary label smoothing)
+MODEL_FLAGS = SIZE_FLAGS + DROPOUT_FLAGS + ("label_smoothing",)
 
 # Paper values where the defaults differ, shown by --help.
 PAPER = {
@@ -183,7 +184,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--warmup", type=int, default=2000, help="warmup updates of the schedule")
     add(g, "--adam-betas", type=float, nargs=2, default=(0.9, 0.98), help="Adam's β1 β2")
     add(g, "--adam-eps", type=float, default=1e-9, help="Adam's ε")
-    add(g, "--label-smoothing", type=float, default=0.1, help="ε_ls of the loss")
+    add(g, "--label-smoothing", type=float,
+        help="ε_ls of the loss (default: the preset's; paper: 0.1)")
     add(g, "--update-freq", type=int, default=1,
         help="micro-batches accumulated per update (the paper's ~50k tokens per update on one "
         "GPU: --max-tokens 6250 --update-freq 8)")
@@ -274,7 +276,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ["save_every", "eval_every", "max_epochs", "threads", "clip_norm",
-                 "save_every_minutes", "label_smoothing", "max_len_b"]:
+                 "save_every_minutes", "max_len_b"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
     for name in DROPOUT_FLAGS:
@@ -282,7 +284,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1)")
     if not 0 <= args.bpe_dropout < 1:
         parser.error("--bpe-dropout must be in [0, 1)")
-    if not 0 <= args.label_smoothing < 1:
+    if args.label_smoothing is not None and not 0 <= args.label_smoothing < 1:
         parser.error("--label-smoothing must be in [0, 1)")
     for name in SIZE_FLAGS:
         if getattr(args, name) is not None and getattr(args, name) < 1:
@@ -300,8 +302,7 @@ def model_config(args: argparse.Namespace, vocab_size: int) -> TransformerConfig
     """The preset with the model flags that were given applied to it."""
     overrides = {name: getattr(args, name) for name in MODEL_FLAGS
                  if getattr(args, name) is not None}
-    return replace(PRESETS[args.preset], vocab_size=vocab_size, pad_id=data.PAD_ID,
-                   label_smoothing=args.label_smoothing, **overrides)
+    return replace(PRESETS[args.preset], vocab_size=vocab_size, pad_id=data.PAD_ID, **overrides)
 
 
 @dataclass

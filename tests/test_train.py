@@ -181,9 +181,13 @@ def test_model_flags_override_the_preset_and_nothing_else():
     preset = PRESETS["multi30k"]
     assert model_config(parse_args([]), 4000) == replace(preset, vocab_size=4000)
     config = model_config(parse_args(["--d-ff", "512", "--attention-dropout", "0.1",
-                                      "--activation-dropout", "0.2", "--dropout", "0.25"]), 123)
+                                      "--activation-dropout", "0.2", "--dropout", "0.25",
+                                      "--label-smoothing", "0.2"]), 123)
     assert config == replace(preset, vocab_size=123, d_ff=512, dropout=0.25,
-                             attention_dropout=0.1, activation_dropout=0.2)
+                             attention_dropout=0.1, activation_dropout=0.2, label_smoothing=0.2)
+    for name, smoothing in (("table3-D3", 0.0), ("table3-D4", 0.2), ("base", 0.1)):
+        config = model_config(parse_args(["--preset", name]), 100)
+        assert config.label_smoothing == smoothing, name
 
 
 # --- the command line, in subprocesses ---------------------------------------------------------
