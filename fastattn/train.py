@@ -279,13 +279,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                  "save_every_minutes", "max_len_b"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
-    for name in DROPOUT_FLAGS:
+    for name in (*DROPOUT_FLAGS, "label_smoothing", "bpe_dropout"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1)")
-    if not 0 <= args.bpe_dropout < 1:
-        parser.error("--bpe-dropout must be in [0, 1)")
-    if args.label_smoothing is not None and not 0 <= args.label_smoothing < 1:
-        parser.error("--label-smoothing must be in [0, 1)")
     for name in SIZE_FLAGS:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -155,6 +155,7 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--attention-dropout", "-0.1"], "--attention-dropout must be in"),
         (["--activation-dropout", "1"], "--activation-dropout must be in"),
         (["--bpe-dropout", "1"], "--bpe-dropout must be in [0, 1)"),
+        (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
         (["--d-model", "0"], "--d-model must be at least 1"),
         (["--preset", "huge"], "invalid choice"),
         (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
