@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from fastattn import ops
 from fastattn._native import native
 from fastattn.modules import ResidualLayerNorm
+from fastattn.rdrop import linear_rdrop_loss
 from fastattn.search import BeamSearchSetup, Hypothesis, LengthPenalty, beam_search
 
 __all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
@@ -475,6 +476,28 @@ class Transformer(nn.Module):
             hidden[real], self.embedding.weight, tgt_out[real],
             smoothing=self.cfg.label_smoothing, reduction=reduction, return_nll=return_nll,
         )
+
+    def rdrop_loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, alpha: float, *,
+                   reduction: str = "mean", return_nll: bool = False
+                   ) -> Tensor | tuple[Tensor, Tensor]:
+        """R-Drop (Liang et al., 2021): the batch passes through the model twice, under
+        different dropout masks, and the loss per target token is the mean of the two passes'
+        label-smoothed cross-entropies (as in loss()) plus α/4 · (KL(p1‖p2) + KL(p2‖p1)) of
+        their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL."""
+        if tgt_out.shape != tgt_in.shape:
+            raise ValueError(f"tgt_out {tuple(tgt_out.shape)} and tgt_in {tuple(tgt_in.shape)} "
+                             "must have the same shape")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        hidden = self.decode(torch.cat([tgt_in, tgt_in]), *self.encode(torch.cat([src, src])))
+        real = tgt_out != self.cfg.pad_id
+        h1, h2 = (h[real] for h in hidden.chunk(2))
+        loss, nll = linear_rdrop_loss(h1, h2, self.embedding.weight, tgt_out[real],
+                                      smoothing=self.cfg.label_smoothing, alpha=alpha)
+        if reduction == "mean":
+            count = real.sum().clamp(min=1)
+            loss, nll = loss / count, nll / count
+        return (loss, nll) if return_nll else loss
 
     @torch.no_grad()
     def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:

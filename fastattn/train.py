@@ -186,6 +186,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--adam-eps", type=float, default=1e-9, help="Adam's ε")
     add(g, "--label-smoothing", type=float,
         help="ε_ls of the loss (default: the preset's; paper: 0.1)")
+    add(g, "--rdrop", type=float, default=0.0, metavar="ALPHA",
+        help="R-Drop (Liang et al., 2021; not in the paper): each micro-batch runs twice under "
+        "different dropout masks and the loss adds ALPHA/4 times the symmetric KL divergence "
+        "of the two passes' predictions (0: off); doubles the compute per update")
     add(g, "--update-freq", type=int, default=1,
         help="micro-batches accumulated per update (the paper's ~50k tokens per update on one "
         "GPU: --max-tokens 6250 --update-freq 8)")
@@ -275,7 +279,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ["save_every", "eval_every", "max_epochs", "threads", "clip_norm",
+    for name in ["save_every", "eval_every", "max_epochs", "threads", "clip_norm", "rdrop",
                  "save_every_minutes", "max_len_b"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
@@ -393,14 +397,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class LossModule(torch.nn.Module):
-    """model.loss as a forward(), so that DistributedDataParallel can wrap it: the summed
-    label-smoothed loss and the summed NLL of a batch."""
+    """model.loss (or model.rdrop_loss with weight rdrop > 0) as a forward(), so that
+    DistributedDataParallel can wrap it: the summed training loss and the summed NLL of a
+    batch."""
 
-    def __init__(self, model: Transformer) -> None:
+    def __init__(self, model: Transformer, rdrop: float = 0.0) -> None:
         super().__init__()
         self.model = model
+        self.rdrop = rdrop
 
     def forward(self, source: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor):
+        if self.rdrop:
+            return self.model.rdrop_loss(source, inputs, targets, self.rdrop, reduction="sum",
+                                         return_nll=True)
         return self.model.loss(source, inputs, targets, reduction="sum", return_nll=True)
 
 
@@ -556,7 +565,7 @@ class Run:
                      f"(epoch {self.epoch}, batch {self.epoch_step})")
         else:
             torch.manual_seed(args.seed + self.rank)  # dropout differs between ranks
-        loss_module = LossModule(self.model)
+        loss_module = LossModule(self.model, args.rdrop)
         if self.distributed:
             devices = [self.device.index] if self.device.type == "cuda" else None
             self.trainer = DistributedDataParallel(loss_module, device_ids=devices)

@@ -300,6 +300,55 @@ def test_fused_loss_equals_label_smoothed_cross_entropy_of_logits(reduction):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl(reduction):
+    """R-Drop's loss against the same two passes (one forward of the doubled batch, the same
+    dropout masks from the same seed) scored in float64 with torch's cross-entropy and KL."""
+    model = make_model(replace(TINY, dropout=0.3)).train()
+    src = pad_after(tokens(3, 6), [6, 3, 5])
+    tgt = pad_after(tokens(3, 7, seed=2), [7, 2, 4])
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+    alpha = 3.0
+    torch.manual_seed(5)
+    loss, nll = model.rdrop_loss(src, tgt_in, tgt_out, alpha, reduction=reduction,
+                                 return_nll=True)
+    torch.manual_seed(5)
+    logits = model(torch.cat([src, src]), torch.cat([tgt_in, tgt_in])).double()
+    real = tgt_out != PAD
+    z1, z2 = logits[:3][real], logits[3:][real]
+    target = tgt_out[real]
+    assert not torch.allclose(z1, z2)  # the two passes differ
+
+    def kl(p, q):  # KL(p||q) per token
+        return F.kl_div(q.log_softmax(-1), p.log_softmax(-1), log_target=True,
+                        reduction="none").sum(-1)
+
+    per_token = (F.cross_entropy(z1, target, label_smoothing=0.1, reduction="none")
+                 + F.cross_entropy(z2, target, label_smoothing=0.1, reduction="none")) / 2
+    per_token = per_token + alpha / 4 * (kl(z1, z2) + kl(z2, z1))
+    nll_per_token = (F.cross_entropy(z1, target, reduction="none")
+                     + F.cross_entropy(z2, target, reduction="none")) / 2
+    reduce = torch.sum if reduction == "sum" else torch.mean
+    expected = reduce(per_token)
+    torch.testing.assert_close(loss.double(), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(nll.double(), reduce(nll_per_token).detach(), atol=1e-5, rtol=1e-5)
+    assert not nll.requires_grad
+    params = list(model.parameters())
+    torch.manual_seed(5)
+    grads = torch.autograd.grad(1.7 * model.rdrop_loss(src, tgt_in, tgt_out, alpha,
+                                                       reduction=reduction), params)
+    expected_grads = torch.autograd.grad(1.7 * expected, params)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
+
+
+def test_rdrop_loss_without_dropout_is_the_loss():
+    model = make_model()  # eval: both passes are the same, so the KL term is zero
+    src, tgt = tokens(2, 5), tokens(2, 6, seed=2)
+    torch.testing.assert_close(model.rdrop_loss(src, tgt[:, :-1], tgt[:, 1:], 5.0),
+                               model.loss(src, tgt[:, :-1], tgt[:, 1:]), atol=1e-5, rtol=1e-5)
+
+
 def test_dropout_only_in_training():
     model = make_model()
     src, tgt = tokens(2, 5), tokens(2, 4, seed=2)

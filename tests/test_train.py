@@ -39,10 +39,10 @@ def test_learning_rate_schedule():
                                                                                          warmup))
 
 
-def tiny_model(dtype=torch.float32, seed=0):
+def tiny_model(dtype=torch.float32, seed=0, dropout=0.0):
     torch.manual_seed(seed)
     config = replace(PRESETS["tiny"], vocab_size=50, encoder_layers=1, decoder_layers=1,
-                     d_model=16, d_ff=32, heads=2, dropout=0.0, label_smoothing=0.1)
+                     d_model=16, d_ff=32, heads=2, dropout=dropout, label_smoothing=0.1)
     return Transformer(config).to(dtype)
 
 
@@ -86,6 +86,20 @@ def test_update_changes_the_model_and_the_loss_per_token_is_right():
     assert result.loss == pytest.approx(float(loss), rel=1e-6)
     assert result.nll == pytest.approx(float(nll), rel=1e-6)
     assert all(not torch.equal(a, b) for a, b in zip(before, after, strict=True)
+               if a.dim() == 2)
+
+
+def test_rdrop_update_reports_its_loss_and_moves_the_model():
+    src, tgt = random_batch(5, 6, 6, seed=5)
+    batch = data.collate(src, tgt, range(5))
+    model = tiny_model(dropout=0.3)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    torch.manual_seed(3)
+    result = train_step(LossModule(model, rdrop=5.0), optimizer, [batch])
+    assert result.ok and result.tokens == sum(len(t) + 1 for t in tgt)
+    assert math.isfinite(result.loss) and result.loss > result.nll * 0.9
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
                if a.dim() == 2)
 
 
@@ -156,6 +170,7 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--activation-dropout", "1"], "--activation-dropout must be in"),
         (["--bpe-dropout", "1"], "--bpe-dropout must be in [0, 1)"),
         (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
+        (["--rdrop", "-1"], "--rdrop must not be negative"),
         (["--d-model", "0"], "--d-model must be at least 1"),
         (["--preset", "huge"], "invalid choice"),
         (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
