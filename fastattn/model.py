@@ -404,6 +404,14 @@ class Stack(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_loss_args(tgt_in: Tensor, tgt_out: Tensor, reduction: str) -> None:
+    if tgt_out.shape != tgt_in.shape:
+        raise ValueError(f"tgt_out {tuple(tgt_out.shape)} and tgt_in {tuple(tgt_in.shape)} "
+                         "must have the same shape")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
 class Transformer(nn.Module):
     """The encoder-decoder of Figure 1 with tied embeddings (3.4).
 
@@ -465,11 +473,7 @@ class Transformer(nn.Module):
         loss are one fused op, so the (tokens × vocabulary) logits are never materialised.
         With return_nll, also the unsmoothed negative log-likelihood reduced the same way
         (without gradient; exp of its mean is the perplexity)."""
-        if tgt_out.shape != tgt_in.shape:
-            raise ValueError(f"tgt_out {tuple(tgt_out.shape)} and tgt_in {tuple(tgt_in.shape)} "
-                             "must have the same shape")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        _check_loss_args(tgt_in, tgt_out, reduction)
         hidden = self.decode(tgt_in, *self.encode(src))
         real = tgt_out != self.cfg.pad_id  # padding costs no projection
         return ops.linear_cross_entropy(
@@ -484,11 +488,7 @@ class Transformer(nn.Module):
         different dropout masks, and the loss per target token is the mean of the two passes'
         label-smoothed cross-entropies (as in loss()) plus α/4 · (KL(p1‖p2) + KL(p2‖p1)) of
         their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL."""
-        if tgt_out.shape != tgt_in.shape:
-            raise ValueError(f"tgt_out {tuple(tgt_out.shape)} and tgt_in {tuple(tgt_in.shape)} "
-                             "must have the same shape")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+        _check_loss_args(tgt_in, tgt_out, reduction)
         hidden = self.decode(torch.cat([tgt_in, tgt_in]), *self.encode(torch.cat([src, src])))
         real = tgt_out != self.cfg.pad_id
         h1, h2 = (h[real] for h in hidden.chunk(2))
