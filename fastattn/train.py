@@ -159,6 +159,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--bpe-dropout", type=float, default=0.0,
         help="BPE-dropout rate: training sentences get a randomly perturbed segmentation "
         "(Provilkov et al., 2020; not in the paper)")
+    add(g, "--bidirectional", type=int, default=0, metavar="UPDATES",
+        help="bidirectional training, BiT (Ding et al., 2021; not in the paper): the first "
+        "UPDATES updates train on every pair in both directions (target->source too, without "
+        "tags), the rest on source->target only; BiT spends a third of the updates so (0: off)")
     add(g, "--max-tokens", type=int, default=16000,
         help="source + target tokens (padding included) per micro-batch per rank")
     add(g, "--seed", type=int, default=1,
@@ -280,7 +284,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     for name in ["save_every", "eval_every", "max_epochs", "threads", "clip_norm", "rdrop",
-                 "save_every_minutes", "max_len_b"]:
+                 "save_every_minutes", "max_len_b", "bidirectional"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
     for name in (*DROPOUT_FLAGS, "label_smoothing", "bpe_dropout"):
@@ -522,30 +526,41 @@ class Run:
         self.log(f"training pairs: {counts['kept']} kept, {counts['too_long']} dropped as "
                  f"longer than {args.max_len} tokens, {counts['bad_ratio']} dropped for a length "
                  f"ratio over {args.max_len_ratio}")
-        self.src_ids = [train.src_ids[i] for i in keep]
-        self.tgt_ids = [train.tgt_ids[i] for i in keep]
-        src_lengths = [len(s) for s in self.src_ids]
-        tgt_lengths = [len(t) for t in self.tgt_ids]
+        # Training pair j is (sentences[j], sentences[partner(j)]): j < n the pairs as given,
+        # n <= j < 2n the same pairs reversed (used by --bidirectional).
+        self.pairs = n = len(keep)
+        self.sentences = [train.src_ids[i] for i in keep] + [train.tgt_ids[i] for i in keep]
+        lengths = [len(s) for s in self.sentences]
         self.bpe_dropout = None
         if args.bpe_dropout > 0:
             started = time.time()
-            self.bpe_dropout = data.BPEDropout(self.sp, self.src_ids + self.tgt_ids,
-                                               args.bpe_dropout, seed=args.seed)
+            self.bpe_dropout = data.BPEDropout(self.sp, self.sentences, args.bpe_dropout,
+                                               seed=args.seed)
             # Batches are planned on the expected sampled lengths, so they hold about
             # --max-tokens tokens whatever segmentation each sentence then gets.
-            lengths = [math.ceil(n) for n in self.bpe_dropout.expected_lengths]
-            growth = sum(lengths) / (sum(src_lengths) + sum(tgt_lengths))
-            src_lengths, tgt_lengths = lengths[: len(keep)], lengths[len(keep):]
+            expected = [math.ceil(m) for m in self.bpe_dropout.expected_lengths]
+            growth = sum(expected) / sum(lengths)
+            lengths = expected
             self.log(f"BPE-dropout {args.bpe_dropout}: {self.bpe_dropout.samples} segmentations "
                      f"of each of {len(self.bpe_dropout.segmentations)} words drawn in "
                      f"{time.time() - started:.1f}s, {growth:.2f}x the tokens on average")
-        self.batches = data.TokenBatches(
-            [n + 1 for n in src_lengths], [n + 1 for n in tgt_lengths],
-            args.max_tokens, seed=args.seed, rank=self.rank, world_size=self.world,
-        )
-        self.epoch_batches = len(self.batches)
-        self.log(f"{self.epoch_batches} batches per epoch per rank, padding "
-                 f"{100 * self.batches.padding_fraction():.1f}% of the batch tokens")
+
+        def batches(pairs: int) -> data.TokenBatches:  # of the first `pairs` pairs
+            return data.TokenBatches(
+                [lengths[j] + 1 for j in range(pairs)],
+                [lengths[self.partner(j)] + 1 for j in range(pairs)],
+                args.max_tokens, seed=args.seed, rank=self.rank, world_size=self.world,
+            )
+
+        self.forward_batches = batches(n)
+        self.log(f"{len(self.forward_batches)} batches per epoch per rank, padding "
+                 f"{100 * self.forward_batches.padding_fraction():.1f}% of the batch tokens")
+        self.both_batches = None
+        if args.bidirectional:
+            self.both_batches = batches(2 * n)
+            self.log(f"bidirectional training (BiT) for the first {args.bidirectional} updates: "
+                     f"{2 * n} pairs in both directions, {len(self.both_batches)} batches per "
+                     "epoch per rank")
 
         torch.manual_seed(args.seed)
         if state is not None:  # a resumed run keeps its model, whatever the flags say now
@@ -636,25 +651,36 @@ class Run:
     # -- training -------------------------------------------------------------------------------
 
     def updates(self) -> Iterator[list[tuple[torch.Tensor, ...]]]:
-        """The micro-batches of each update from the current data position; advances it."""
+        """The micro-batches of each update from the current data position; advances it.
+
+        Both directions while the run is in --bidirectional's first updates, else source->target.
+        """
         args = self.args
-        stream = self.batches.iterate(self.epoch, self.epoch_step)
+        batches = self.forward_batches if self.step >= args.bidirectional else self.both_batches
+        epoch_batches = len(batches)
+        stream = batches.iterate(self.epoch, self.epoch_step)
         while True:
             group = [next(stream) for _ in range(args.update_freq)]
             self.epoch, self.epoch_step = group[-1][0], group[-1][1] + 1
-            if self.epoch_step == self.epoch_batches:  # the update ended an epoch
+            if self.epoch_step == epoch_batches:  # the update ended an epoch
                 self.epoch, self.epoch_step = self.epoch + 1, 0
             yield [self.collate(epoch, i, b) for epoch, i, b in group]
 
     def collate(self, epoch: int, step: int, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
         """The batch at this data position, in a freshly sampled segmentation with BPE-dropout."""
+        partners = [self.partner(j) for j in indices]
         if self.bpe_dropout is None:
-            return data.collate(self.src_ids, self.tgt_ids, indices)
+            return data.collate([self.sentences[j] for j in indices],
+                                [self.sentences[j] for j in partners], range(len(indices)))
         # Seeded by the position, so a resumed run samples what the uninterrupted one did.
         rng = np.random.default_rng([self.args.seed, epoch, step, self.rank])
         src = self.bpe_dropout.sample(indices, rng)
-        tgt = self.bpe_dropout.sample([len(self.src_ids) + i for i in indices], rng)
+        tgt = self.bpe_dropout.sample(partners, rng)
         return data.collate(src, tgt, range(len(indices)))
+
+    def partner(self, j: int) -> int:
+        """The sentence that sentence j translates to."""
+        return (j + self.pairs) % (2 * self.pairs)
 
     def finished(self) -> bool:
         args = self.args
@@ -691,6 +717,11 @@ class Run:
                 continue
             self.bad_steps = 0
             self.step += 1
+            if self.step == args.bidirectional:  # BiT's tuning phase: source->target only
+                self.epoch, self.epoch_step = self.epoch + (self.epoch_step > 0), 0
+                updates = self.updates()
+                self.log(f"update {self.step}: bidirectional phase over, source->target from "
+                         f"here (epoch {self.epoch})")
             window["loss"] += result.loss * result.tokens
             window["nll"] += result.nll * result.tokens
             window["tokens"] += result.tokens

@@ -171,6 +171,7 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--bpe-dropout", "1"], "--bpe-dropout must be in [0, 1)"),
         (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
         (["--rdrop", "-1"], "--rdrop must not be negative"),
+        (["--bidirectional", "-1"], "--bidirectional must not be negative"),
         (["--d-model", "0"], "--d-model must be at least 1"),
         (["--preset", "huge"], "invalid choice"),
         (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
@@ -244,9 +245,39 @@ def losses(metrics_path):
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
 
 
+def pairs_of_an_epoch(run, updates):
+    """The (source, target) id tuples of the next epoch's batches, with BOS/EOS/padding gone."""
+    pairs = []
+    for _ in range(updates):
+        for source, _inputs, targets in next(run.updates_stream):
+            for s, t in zip(source.tolist(), targets.tolist(), strict=True):
+                pairs.append((tuple(s[: s.index(data.EOS_ID)]),
+                              tuple(t[: t.index(data.EOS_ID)])))
+    return sorted(pairs)
+
+
+def test_bidirectional_training_sees_both_directions_then_source_to_target(tmp_path):
+    paths = corpus(tmp_path, lines=40)
+    args = parse_args(train_command(paths, tmp_path / "run", "--bidirectional", 5)[3:])
+    args.threads = 0  # keep this process's thread count
+    run = train_module.Run(args)
+    train = run.splits["train"]
+    forward = sorted((tuple(s), tuple(t))
+                     for s, t in zip(train.src_ids, train.tgt_ids, strict=True))
+    reverse = sorted((t, s) for s, t in forward)
+
+    run.updates_stream = run.updates()
+    assert pairs_of_an_epoch(run, len(run.both_batches)) == sorted(forward + reverse)
+    assert (run.epoch, run.epoch_step) == (1, 0)
+    run.step = 5  # past the bidirectional phase
+    run.updates_stream = run.updates()
+    assert pairs_of_an_epoch(run, len(run.forward_batches)) == forward
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--bpe-dropout", "0"), ("--bpe-dropout", "0.1")],
-                         ids=["plain", "bpe-dropout"])
+@pytest.mark.parametrize("flags", [("--bpe-dropout", "0"), ("--bpe-dropout", "0.1"),
+                                   ("--bidirectional", "10")],
+                         ids=["plain", "bpe-dropout", "bidirectional"])
 def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
     paths = corpus(tmp_path)
     updates, kill_after = 24, 8
@@ -255,6 +286,8 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
                       *flags),
         capture_output=True, text=True, timeout=600, env=TORCH_OPS)
     assert reference.returncode == 0, reference.stderr
+    if "--bidirectional" in flags:
+        assert "update 10: bidirectional phase over" in reference.stdout
     expected = losses(tmp_path / "ref" / "metrics.jsonl")
     assert sorted(expected) == list(range(1, updates + 1))
 
