@@ -245,11 +245,11 @@ def losses(metrics_path):
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in records if "loss" in r}
 
 
-def pairs_of_an_epoch(run, updates):
-    """The (source, target) id tuples of the next epoch's batches, with BOS/EOS/padding gone."""
+def pairs_of_an_epoch(stream, updates):
+    """The (source, target) id tuples of an epoch's batches, with BOS/EOS/padding gone."""
     pairs = []
     for _ in range(updates):
-        for source, _inputs, targets in next(run.updates_stream):
+        for source, _inputs, targets in next(stream):
             for s, t in zip(source.tolist(), targets.tolist(), strict=True):
                 pairs.append((tuple(s[: s.index(data.EOS_ID)]),
                               tuple(t[: t.index(data.EOS_ID)])))
@@ -266,12 +266,10 @@ def test_bidirectional_training_sees_both_directions_then_source_to_target(tmp_p
                      for s, t in zip(train.src_ids, train.tgt_ids, strict=True))
     reverse = sorted((t, s) for s, t in forward)
 
-    run.updates_stream = run.updates()
-    assert pairs_of_an_epoch(run, len(run.both_batches)) == sorted(forward + reverse)
+    assert pairs_of_an_epoch(run.updates(), len(run.both_batches)) == sorted(forward + reverse)
     assert (run.epoch, run.epoch_step) == (1, 0)
     run.step = 5  # past the bidirectional phase
-    run.updates_stream = run.updates()
-    assert pairs_of_an_epoch(run, len(run.forward_batches)) == forward
+    assert pairs_of_an_epoch(run.updates(), len(run.forward_batches)) == forward
 
 
 @pytest.mark.slow
