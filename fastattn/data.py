@@ -1,5 +1,5 @@
-"""Parallel text for training and evaluation: reading and checking, a joint SentencePiece
-vocabulary and BPE-dropout on it, length filtering and token-bucket batches.
+"""Parallel text for training and evaluation: reading and checking, truecasing, a joint
+SentencePiece vocabulary and BPE-dropout on it, length filtering and token-bucket batches.
 
 Text is read strictly: every line is stripped and must be non-empty valid UTF-8, and the two sides
 must have the same number of lines. Anything else raises DataError with a one-line message that
@@ -12,7 +12,9 @@ from __future__ import annotations
 import gzip
 import io
 import math
-from collections.abc import Iterator, Sequence
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -108,6 +110,48 @@ def load_multi30k(split: str, src: str, tgt: str) -> ParallelText:
     if src == tgt:
         raise DataError(f"source and target language are both {src!r}")
     return read_parallel(multi30k_path(split, src), multi30k_path(split, tgt))
+
+
+# --- truecasing --------------------------------------------------------------------------------
+
+
+class Truecaser:
+    """Moses-style truecasing (Koehn et al., 2007, train-truecaser.perl): the first word of a
+    sentence takes the form the word most often has inside sentences of the training text, so
+    "Ein Hund" and "ein Hund" reach the model as one word; words never seen inside a sentence
+    stay as they are. `detruecase` capitalises the first letter of a translation again.
+
+    Only the first word changes: inside a sentence case is part of the word (German nouns)."""
+
+    _WORD = re.compile(r"\w+")
+
+    def __init__(self, forms: dict[str, str]) -> None:
+        self.forms = forms
+        """Lowercased word -> its most frequent form inside sentences (serialisable)."""
+
+    @classmethod
+    def train(cls, sentences: Iterable[str]) -> Truecaser:
+        counts: dict[str, Counter[str]] = {}
+        for sentence in sentences:
+            for word in cls._WORD.findall(sentence)[1:]:
+                counts.setdefault(word.lower(), Counter())[word] += 1
+        # Ties go to the form seen first, so the result depends only on the text.
+        return cls({key: forms.most_common(1)[0][0] for key, forms in counts.items()})
+
+    def __call__(self, sentence: str) -> str:
+        first = self._WORD.search(sentence)
+        if first is None:
+            return sentence
+        form = self.forms.get(first.group().lower(), first.group())
+        return sentence[: first.start()] + form + sentence[first.end():]
+
+    @classmethod
+    def detruecase(cls, sentence: str) -> str:
+        first = cls._WORD.search(sentence)
+        if first is None:
+            return sentence
+        return sentence[: first.start()] + sentence[first.start()].upper() \
+            + sentence[first.start() + 1:]
 
 
 # --- vocabulary --------------------------------------------------------------------------------

@@ -156,6 +156,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--max-len", type=int, default=256, help="drop training pairs with a longer side")
     add(g, "--max-len-ratio", type=float, default=3.0,
         help="drop training pairs whose longer side is this many times the shorter")
+    add(g, "--truecase", action=argparse.BooleanOptionalAction, default=False,
+        help="Moses-style truecasing (not in the paper): the first word of every sentence takes "
+        "the form it mostly has inside sentences of the training text, so sentence-initial "
+        "words share the other occurrences' pieces; translations get their capital first letter "
+        "back")
     add(g, "--bpe-dropout", type=float, default=0.0,
         help="BPE-dropout rate: training sentences get a randomly perturbed segmentation "
         "(Provilkov et al., 2020; not in the paper)")
@@ -339,8 +344,13 @@ def load_text(args: argparse.Namespace) -> dict[str, tuple[data.ParallelText, li
     return text
 
 
-def encode_split(sp, text: data.ParallelText, refs: list[str] | None) -> Split:
-    return Split(text, data.encode(sp, text.src), data.encode(sp, text.tgt), refs)
+def truecased(text: data.ParallelText,
+              truecasers: tuple[data.Truecaser, data.Truecaser] | None) -> data.ParallelText:
+    """The text as the model sees it: truecased by the (source, target) truecasers, if any."""
+    if truecasers is None:
+        return text
+    src, tgt = truecasers
+    return replace(text, src=[src(s) for s in text.src], tgt=[tgt(t) for t in text.tgt])
 
 
 BF16_MIN_SPEEDUP = 1.25  # a bf16 step also pays for casts, so its matmuls must win clearly
@@ -421,11 +431,12 @@ class LossModule(torch.nn.Module):
 
 
 def translate(model: Transformer, sp, sentences: Sequence[str], *, beam: int, alpha: float,
-              max_len_b: int, batch_tokens: int) -> list[str]:
+              max_len_b: int, batch_tokens: int,
+              truecaser: data.Truecaser | None = None) -> list[str]:
     """Detokenized translations (fastattn.Translator; beam 1 is greedy search)."""
     was_training = model.training
     translator = Translator(model, sp, beam_size=beam, alpha=alpha, max_len_b=max_len_b,
-                            batch_tokens=batch_tokens)
+                            batch_tokens=batch_tokens, truecaser=truecaser)
     hypotheses = translator.translate(sentences)
     model.train(was_training)
     return hypotheses
@@ -509,16 +520,30 @@ class Run:
         state = checkpoint.load_checkpoint(resume[0]) if resume else None
 
         text = load_text(args)
+        # A resumed run keeps the text processing its vocabulary was built for.
+        if state is not None:
+            args.truecase = state["meta"]["args"].get("truecase", False)
+        self.truecasers = None
+        if args.truecase:
+            raw = text["train"][0]
+            self.truecasers = data.Truecaser.train(raw.src), data.Truecaser.train(raw.tgt)
+        model_text = {name: truecased(t, self.truecasers) for name, (t, _) in text.items()}
         if state is not None:
             self.spm_proto = state["spm"]
         else:
             started = time.time()
-            train = text["train"][0]
+            train = model_text["train"]
             self.spm_proto = data.train_sentencepiece(train.src + train.tgt, args.vocab_size)
             self.log(f"SentencePiece BPE, {args.vocab_size} joint pieces, trained on "
-                     f"{2 * len(train)} sentences in {time.time() - started:.1f}s")
+                     f"{2 * len(train)} {'truecased ' * args.truecase}sentences in "
+                     f"{time.time() - started:.1f}s")
         self.sp = data.load_sentencepiece(self.spm_proto)
-        self.splits = {name: encode_split(self.sp, t, refs) for name, (t, refs) in text.items()}
+        # Splits keep the raw text (BLEU is against it) beside the ids of the model's text.
+        self.splits = {
+            name: Split(t, data.encode(self.sp, model_text[name].src),
+                        data.encode(self.sp, model_text[name].tgt), refs)
+            for name, (t, refs) in text.items()
+        }
 
         train = self.splits["train"]
         keep, counts = data.filter_by_length(train.src_ids, train.tgt_ids, args.max_len,
@@ -595,6 +620,10 @@ class Run:
             else:
                 print(message, flush=True)
 
+    @property
+    def source_truecaser(self) -> data.Truecaser | None:
+        return self.truecasers[0] if self.truecasers else None
+
     # -- state ----------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
@@ -608,7 +637,8 @@ class Run:
             "config": asdict(self.config),
             "spm": self.spm_proto,
             "meta": {"step": self.step, "src": self.args.src, "tgt": self.args.tgt,
-                     "data": self.args.data, "args": dict(vars(self.args))},
+                     "data": self.args.data, "args": dict(vars(self.args)),
+                     "truecase": self.truecasers[0].forms if self.truecasers else None},
             "train": {
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
@@ -779,7 +809,8 @@ class Run:
             # Greedy search: alpha changes no output.
             hyps = translate(self.model, self.sp, dev.text.src, beam=1, alpha=0.0,
                              max_len_b=self.args.max_len_b,
-                             batch_tokens=self.args.eval_batch_tokens)
+                             batch_tokens=self.args.eval_batch_tokens,
+                             truecaser=self.source_truecaser)
             scores = bleu_scores(hyps, dev, self.args.tgt)
             self.write_metrics({"step": self.step, "epoch": self.epoch, "dev_loss": loss,
                                 "dev_ppl": math.exp(min(nll, 50)),
@@ -811,7 +842,8 @@ class Run:
         split = self.splits[name]
         started = time.time()
         hyps = translate(model, sp, split.text.src, beam=args.beam, alpha=alpha,
-                         max_len_b=args.max_len_b, batch_tokens=args.eval_batch_tokens)
+                         max_len_b=args.max_len_b, batch_tokens=args.eval_batch_tokens,
+                         truecaser=self.source_truecaser)
         scores = bleu_scores(hyps, split, args.tgt)
         output = Path(args.save_dir) / f"{name}.hyp.{args.tgt}"
         output.write_text("\n".join(hyps) + "\n", encoding="utf-8")
@@ -839,7 +871,8 @@ class Run:
         for alpha in alphas:
             hyps = translate(model, sp, dev.text.src, beam=self.args.beam, alpha=alpha,
                              max_len_b=self.args.max_len_b,
-                             batch_tokens=self.args.eval_batch_tokens)
+                             batch_tokens=self.args.eval_batch_tokens,
+                             truecaser=self.source_truecaser)
             found[alpha] = bleu_scores(hyps, dev, self.args.tgt)["tok_bleu"]
         best = max(alphas, key=found.__getitem__)  # ties: the first given
         self.write_metrics({"step": self.step, "alpha_dev_tok_bleu": found, "alpha": best,

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from fastattn.cli import HelpFormatter
+from fastattn.data import Truecaser
 from fastattn.search import LengthPenalty, greedy_search
 
 
@@ -50,7 +51,9 @@ class Translator:
 
     `stream(lines)` translates an iterable lazily, `plot_attention` draws attention weights.
     Search options as in fastattn.beam_search; beam_size 1 is greedy search. max_len of a
-    sentence is max_len_a · source length + max_len_b.
+    sentence is max_len_a · source length + max_len_b. A model trained on truecased text
+    (fastattn.train --truecase) comes with the source truecaser; its translations are
+    detruecased.
     """
 
     def __init__(
@@ -66,6 +69,7 @@ class Translator:
         nbest: int = 1,
         batch_tokens: int = 4096,
         window: int = 1000,
+        truecaser: Truecaser | None = None,
     ) -> None:
         if not 1 <= nbest <= beam_size:
             raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
@@ -74,7 +78,7 @@ class Translator:
         self.model, self.sp = model.eval(), sp
         self.beam_size, self.alpha, self.length_penalty = beam_size, alpha, length_penalty
         self.max_len_a, self.max_len_b, self.nbest = max_len_a, max_len_b, nbest
-        self.batch_tokens, self.window = batch_tokens, window
+        self.batch_tokens, self.window, self.truecaser = batch_tokens, window, truecaser
         self.device = next(model.parameters()).device
         self.pad_id, self.bos_id, self.eos_id = sp.pad_id(), sp.bos_id(), sp.eos_id()
 
@@ -87,6 +91,8 @@ class Translator:
         model, sp, meta = load_model(path, device)
         if options.get("alpha") is None:  # the length penalty training chose on dev, if any
             options["alpha"] = meta.get("alpha", 0.6)
+        if meta.get("truecase"):
+            options["truecaser"] = Truecaser(meta["truecase"])
         return cls(model, sp, **options)
 
     def translate(self, sentences: Sequence[str]) -> list[str]:
@@ -100,8 +106,14 @@ class Translator:
         while window := list(itertools.islice(lines, self.window)):
             yield from self._translate_window([line.rstrip("\n") for line in window])
 
+    def _encode(self, sentences: list[str]) -> list[list[int]]:
+        """Source ids of raw sentences, EOS included."""
+        if self.truecaser is not None:
+            sentences = [self.truecaser(s) for s in sentences]
+        return [ids + [self.eos_id] for ids in self.sp.encode(sentences, out_type=int)]
+
     def _translate_window(self, sentences: list[str]) -> list[list[Translation]]:
-        sources = [ids + [self.eos_id] for ids in self.sp.encode(sentences, out_type=int)]
+        sources = self._encode(sentences)
         results: list[list[Translation]] = [[] for _ in sources]
         for batch in self._batches(sources):
             for i, hypotheses in zip(batch, self._search([sources[i] for i in batch]), strict=True):
@@ -149,7 +161,9 @@ class Translator:
 
     def _translation(self, tokens: list[int], score: float) -> Translation:
         tokens = tokens[:-1] if tokens and tokens[-1] == self.eos_id else tokens
-        return Translation(self.sp.decode(tokens), score, tokens)
+        text = self.sp.decode(tokens)
+        return Translation(text if self.truecaser is None else Truecaser.detruecase(text),
+                           score, tokens)
 
     # -- attention, as in the paper's Figures 3-5 ----------------------------------------------
 
@@ -166,7 +180,7 @@ class Translator:
         stack = self.model.encoder.layers if kind == "encoder" else self.model.decoder.layers
         if not 0 <= layer < len(stack):
             raise ValueError(f"layer must be in [0, {len(stack)}), got {layer}")
-        source_ids = self.sp.encode(sentence, out_type=int) + [self.eos_id]
+        source_ids = self._encode([sentence])[0]
         source = torch.tensor([source_ids], device=self.device)
         if kind == "encoder":
             module, run, target_ids = stack[layer].self_attention, self.model.encode, source_ids

@@ -97,6 +97,43 @@ def test_multi30k_bad_names(args, match):
         data.load_multi30k(*args)
 
 
+def test_truecaser_recases_only_the_first_word():
+    truecaser = data.Truecaser.train([
+        "Ein Hund sieht ein Auto.", "Der Hund und der Mann.", "Da ist Der Hund.",
+        "Zwei Männer sehen Männer.",
+    ])
+    assert truecaser("Ein Mann sieht Ein Auto.") == "ein Mann sieht Ein Auto."
+    assert truecaser('"Hund bellt"') == '"Hund bellt"'  # nouns keep their capital
+    assert truecaser("Der Hund") == "der Hund"  # 2 "der" inside against 1 "Der": the majority
+    assert truecaser("Zwei Hunde") == "Zwei Hunde"  # never seen inside a sentence: unchanged
+    assert truecaser("...") == "..." and truecaser("") == ""
+
+
+def test_truecaser_ties_go_to_the_form_seen_first():
+    assert data.Truecaser.train(["x Ball y ball"]).forms == {"ball": "Ball", "y": "y"}
+    assert data.Truecaser.train(["x ball y Ball"]).forms == {"ball": "ball", "y": "y"}
+
+
+def test_detruecase_capitalises_the_first_letter_only():
+    assert data.Truecaser.detruecase("ein Hund bellt.") == "Ein Hund bellt."
+    assert data.Truecaser.detruecase('"ein" Hund') == '"Ein" Hund'
+    assert data.Truecaser.detruecase("3 hunde") == "3 hunde"
+    assert data.Truecaser.detruecase("...") == "..."
+
+
+def test_truecasing_multi30k_lowers_articles_and_keeps_nouns():
+    train = data.load_multi30k("train", "en", "de")
+    truecaser = data.Truecaser.train(train.tgt)
+    cased = [truecaser(s) for s in train.tgt]
+    assert cased[0].startswith("zwei junge") and train.tgt[0].startswith("Zwei junge")
+    starts = [s.split()[0] for s in cased]
+    assert starts.count("ein") > 10_000 and "Ein" not in starts
+    assert starts.count("Männer") == [s.split()[0] for s in train.tgt].count("Männer") > 0
+    # Truecasing changed the case of first letters and nothing else.
+    detruecase = data.Truecaser.detruecase
+    assert [detruecase(s) for s in cased] == [detruecase(s) for s in train.tgt]
+
+
 SENTENCES = [f"the {a} {b} is {c} today." for a in ("red", "big", "old", "small", "new")
              for b in ("dog", "house", "car", "tree") for c in ("here", "there", "gone")]
 

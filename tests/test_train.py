@@ -272,10 +272,34 @@ def test_bidirectional_training_sees_both_directions_then_source_to_target(tmp_p
     assert pairs_of_an_epoch(run.updates(), len(run.forward_batches)) == forward
 
 
+def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
+    paths = corpus(tmp_path, lines=40)
+    args = parse_args(train_command(paths, tmp_path / "run", "--truecase")[3:])
+    args.threads = 0  # keep this process's thread count
+    run = train_module.Run(args)
+    raw = data.read_parallel(paths["train", "en"], paths["train", "de"])
+    src, tgt = data.Truecaser.train(raw.src), data.Truecaser.train(raw.tgt)
+    assert [src(s) for s in raw.src] != raw.src  # the test means something
+    train = run.splits["train"]
+    assert train.src_ids == data.encode(run.sp, [src(s) for s in raw.src])
+    assert train.tgt_ids == data.encode(run.sp, [tgt(t) for t in raw.tgt])
+    valid = run.splits["valid"]
+    assert valid.text.tgt == data.read_lines(paths["valid", "de"])  # BLEU is against raw text
+    assert valid.tgt_ids == data.encode(run.sp, [tgt(t) for t in valid.text.tgt])
+    run.save()
+    assert checkpoint.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "run")[-1])[
+        "meta"]["truecase"] == src.forms  # what fastattn.Translator truecases sources with
+
+    args = parse_args(train_command(paths, tmp_path / "run", "--resume")[3:])  # no --truecase
+    args.threads = 0
+    resumed = train_module.Run(args)
+    assert resumed.args.truecase and resumed.splits["train"].src_ids == train.src_ids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [("--bpe-dropout", "0"), ("--bpe-dropout", "0.1"),
-                                   ("--bidirectional", "10")],
-                         ids=["plain", "bpe-dropout", "bidirectional"])
+                                   ("--bidirectional", "10"), ("--truecase",)],
+                         ids=["plain", "bpe-dropout", "bidirectional", "truecase"])
 def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
     paths = corpus(tmp_path)
     updates, kill_after = 24, 8

@@ -50,6 +50,20 @@ def test_the_length_penalty_defaults_to_the_one_training_chose(checkpoint, tmp_p
     assert Translator.from_checkpoint(tmp_path / "tuned.pt", alpha=0.0).alpha == 0.0
 
 
+def test_a_truecased_model_truecases_sources_and_detruecases_translations(checkpoint, tmp_path):
+    state = load_checkpoint(checkpoint)
+    state["meta"]["truecase"] = {"a": "a", "dog": "dog"}
+    save_checkpoint(tmp_path / "truecased.pt", state)
+    plain = Translator.from_checkpoint(checkpoint, **SHORT)
+    truecased = Translator.from_checkpoint(tmp_path / "truecased.pt", **SHORT)
+    assert plain.truecaser is None and truecased.truecaser.forms == {"a": "a", "dog": "dog"}
+    # "A dog ..." reaches the model as "a dog ...": both give the same tokens.
+    [[lowered]] = plain.stream(["a dog runs on the beach."])
+    [[cased]] = truecased.stream(["A dog runs on the beach."])
+    assert cased.tokens == lowered.tokens and cased.score == lowered.score
+    assert cased.text == data.Truecaser.detruecase(lowered.text)
+
+
 def test_translator_matches_a_direct_beam_search(checkpoint):
     translator = Translator.from_checkpoint(checkpoint, beam_size=3, nbest=2, max_len_b=7)
     model, sp = translator.model, translator.sp
