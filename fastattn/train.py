@@ -523,11 +523,12 @@ class Run:
         # A resumed run keeps the text processing its vocabulary was built for.
         if state is not None:
             args.truecase = state["meta"]["args"].get("truecase", False)
-        self.truecasers = None
+        truecasers = None
         if args.truecase:
             raw = text["train"][0]
-            self.truecasers = data.Truecaser.train(raw.src), data.Truecaser.train(raw.tgt)
-        model_text = {name: truecased(t, self.truecasers) for name, (t, _) in text.items()}
+            truecasers = data.Truecaser.train(raw.src), data.Truecaser.train(raw.tgt)
+        self.source_truecaser = truecasers[0] if truecasers else None  # for translating
+        model_text = {name: truecased(t, truecasers) for name, (t, _) in text.items()}
         if state is not None:
             self.spm_proto = state["spm"]
         else:
@@ -620,10 +621,6 @@ class Run:
             else:
                 print(message, flush=True)
 
-    @property
-    def source_truecaser(self) -> data.Truecaser | None:
-        return self.truecasers[0] if self.truecasers else None
-
     # -- state ----------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
@@ -638,7 +635,7 @@ class Run:
             "spm": self.spm_proto,
             "meta": {"step": self.step, "src": self.args.src, "tgt": self.args.tgt,
                      "data": self.args.data, "args": dict(vars(self.args)),
-                     "truecase": self.truecasers[0].forms if self.truecasers else None},
+                     "truecase": self.source_truecaser and self.source_truecaser.forms},
             "train": {
                 "optimizer": self.optimizer.state_dict(),
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
