@@ -8,7 +8,8 @@ CTranslate2's TransformerSpec: fused QKV and KV projections, post-norm (or pre-n
 embeddings scaled by √d_model and shared with the output projection, and our position table
 (sinusoids interleaved sin/cos per dimension pair, as in the paper, which CTranslate2's own
 default table does not do, or learned positions). Sources given to CTranslate2 are SentencePiece
-pieces ending with "</s>", as fastattn's are.
+pieces ending with "</s>", as fastattn's are; those of a model trained with --truecase come from
+truecased text (fastattn.Translator does that, and detruecases translations).
 """
 
 from __future__ import annotations
