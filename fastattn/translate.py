@@ -91,7 +91,7 @@ class Translator:
         model, sp, meta = load_model(path, device)
         if options.get("alpha") is None:  # the length penalty training chose on dev, if any
             options["alpha"] = meta.get("alpha", 0.6)
-        if meta.get("truecase"):
+        if meta.get("truecase") is not None:  # even empty: translations are detruecased
             options["truecaser"] = Truecaser(meta["truecase"])
         return cls(model, sp, **options)
 
