@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include "attention.h"
 #include "beam_decode.h"
 #include "beam_search.h"
 #include "cross_entropy.h"
@@ -42,6 +43,12 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("cpu_dropout(Tensor x, int seed, float dropout_p) -> Tensor");
   m.def(
+      "cpu_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, bool causal, "
+      "int causal_shift, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "cpu_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? bias, bool causal, int causal_shift, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def(
       "cpu_cross_entropy_grad(Tensor(a!) logits, Tensor target, Tensor row_weight, "
       "float smoothing, int ignore_index) -> (Tensor, Tensor)");
 }
@@ -57,6 +64,8 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("cpu_layer_norm_residual_fwd", &fastattn::layer_norm_residual_fwd_cpu);
   m.impl("cpu_layer_norm_residual_bwd", &fastattn::layer_norm_residual_bwd_cpu);
   m.impl("cpu_dropout", &fastattn::dropout_cpu);
+  m.impl("cpu_attention_fwd", &fastattn::attention_fwd_cpu);
+  m.impl("cpu_attention_bwd", &fastattn::attention_bwd_cpu);
   m.impl("cpu_cross_entropy_grad", &fastattn::cross_entropy_grad_cpu);
 }
 

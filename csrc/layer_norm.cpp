@@ -13,8 +13,6 @@
 namespace fastattn {
 namespace {
 
-typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
-
 // Wellons' lowbias32: a bijective 32-bit hash in which flipping any input bit flips each output
 // bit with probability close to 1/2, so consecutive counters hash to independent-looking bits.
 template <typename T>

@@ -1,6 +1,8 @@
 // Small inline math that GCC vectorises, shared by the decoding loops.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -33,6 +35,29 @@ FASTATTN_INLINE v8 load8(const float *p) { return *reinterpret_cast<const v8 *>(
 FASTATTN_INLINE void store8(float *p, v8 a) { *reinterpret_cast<v8 *>(p) = a; }
 
 FASTATTN_INLINE v16 load16(const float *p) { return *reinterpret_cast<const v16 *>(p); }
+
+typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
+typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
+
+// bfloat16 is the upper half of a float32: widening is a shift, narrowing rounds to nearest
+// even (a NaN whose payload sits only in the low half would become inf: both are caught by the
+// trainer's non-finite guard).
+FASTATTN_INLINE v8 load8(const c10::BFloat16 *p) {
+  v8h h;
+  std::memcpy(&h, p, sizeof h);
+  const v8u bits = __builtin_convertvector(h, v8u) << 16;
+  v8 out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+FASTATTN_INLINE void store8(c10::BFloat16 *p, v8 a) {
+  v8u bits;
+  std::memcpy(&bits, &a, sizeof bits);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  const v8h h = __builtin_convertvector(bits >> 16, v8h);
+  std::memcpy(p, &h, sizeof h);
+}
 
 FASTATTN_INLINE float sum8(v8 a) {
   v4 s = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);

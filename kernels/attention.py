@@ -16,8 +16,13 @@ difference: a query row that may attend to no key at all returns zeros and passe
   The Triton kernels draw the keep mask inside the kernel from Philox keyed by a (seed, offset)
   pair taken from torch's default generator; the backward regenerates the same mask.
 
-Sections, top to bottom: the Triton kernels, their block-size table, the launchers, the
-torch.library registration with autograd, the PyTorch path, the public op, the reference.
+On CPU, calls that need a gradient run fastattn._C's attention (csrc/attention.cpp: one task per
+(batch, head) pair, float32 inside) up to _CPU_NATIVE_MAX_KEYS keys, through the same
+torch.library ops and autograd as the Triton kernels; other CPU calls run PyTorch's ops.
+
+Sections, top to bottom: the Triton kernels, their block-size table, the launchers, the native
+CPU launchers, the torch.library registration with autograd, the PyTorch path, the public op, the
+reference.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from fastattn._native import native_cpu
 from fastattn.backend import interpreter_active, use_triton
 
 CAUSAL_ALIGNMENTS = {False: None, True: "top_left", "top_left": "top_left",
@@ -565,6 +571,47 @@ def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> to
 
 
 # ---------------------------------------------------------------------------------------------
+# Native CPU launchers (fastattn._C)
+# ---------------------------------------------------------------------------------------------
+
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+# Up to these key lengths fastattn._C's forward+backward beats PyTorch's on CPU (2-3x at 13-64
+# keys, bf16 and fp32; even at 128; behind beyond, where PyTorch's blocked kernels win). Inference
+# runs PyTorch's fused kernel, which is faster without a backward.
+_CPU_NATIVE_MAX_KEYS = 64
+
+
+def _use_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (backward and dropout_p == 0.0 and k.shape[2] <= _CPU_NATIVE_MAX_KEYS
+            and native_cpu(q, dtypes=_NATIVE_DTYPES))
+
+
+def _native_args(q, k, attn_mask, causal):
+    """(bias, causal, causal shift) for fastattn._C: the mask as a float32 additive bias at its
+    own size, viewed as (B, H, Lq, Lk) with stride 0 on broadcast dims."""
+    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    bias = None
+    if attn_mask is not None:
+        bias = (torch.zeros(attn_mask.shape, device=q.device).masked_fill_(~attn_mask, -math.inf)
+                if attn_mask.dtype == torch.bool else attn_mask.float())
+        bias = bias.expand(b, h, lq, lk)
+    return bias, causal is not None, _causal_shift(causal, lq, lk)
+
+
+def _attention_forward_native(q, k, v, attn_mask, causal, scale):
+    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
+    return torch.ops.fastattn.cpu_attention_fwd(q, k, v, *_native_args(q, k, attn_mask, causal),
+                                                scale)
+
+
+def _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, causal, scale):
+    q, k, v, grad_out = (_unit_last_stride(x) for x in (q, k, v, grad_out))
+    return torch.ops.fastattn.cpu_attention_bwd(grad_out, q, k, v, out, lse,
+                                                *_native_args(q, k, attn_mask, causal), scale)
+
+
+# ---------------------------------------------------------------------------------------------
 # torch.library registration: opaque to torch.compile, with fake tensors and autograd
 # ---------------------------------------------------------------------------------------------
 
@@ -574,6 +621,8 @@ def _attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
                           causal: str | None, dropout_p: float,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if native_cpu(q, dtypes=_NATIVE_DTYPES) and dropout_p == 0.0:
+        return _attention_forward_native(q, k, v, attn_mask, causal, scale)
     return _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale)
 
 
@@ -589,6 +638,8 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                            attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
                            causal: str | None, dropout_p: float,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if native_cpu(q, dtypes=_NATIVE_DTYPES) and dropout_p == 0.0:
+        return _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, causal, scale)
     return _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
                                       dropout_p, scale)
 
@@ -731,11 +782,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     "bottom_right" (j <= i + Lk - Lq). attn_mask: bool (True = attend) or float (added),
     broadcastable to (B, H, Lq, Lk); no gradient flows to it. scale defaults to D ** -0.5.
     Runs the Triton kernels (fp16, bf16, fp32; head dims up to 256) when
-    fastattn.backend.use_triton(q) says so, PyTorch otherwise and for fp64.
+    fastattn.backend.use_triton(q) says so; else, when a gradient is needed without dropout,
+    fastattn._C's CPU kernels (fp32, bf16; up to _CPU_NATIVE_MAX_KEYS keys); PyTorch otherwise
+    and for fp64.
     """
     _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale)
     alignment = CAUSAL_ALIGNMENTS[causal]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if _use_native(q, k, v, dropout_p):
+        out, _ = _attention_forward_op(q, k, v, attn_mask, None, alignment, 0.0, scale)
+        return out
     if not use_triton(q) or q.dtype not in _TRITON_DTYPES:
         # fp64 (gradcheck, references) runs PyTorch on every backend: the kernels have no fp64.
         return _attention_torch(q, k, v, alignment, attn_mask, dropout_p, scale)
