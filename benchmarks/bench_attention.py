@@ -12,7 +12,7 @@ from benchmarks.common import DEVICE, DTYPES, QUICK, attention_flop, measure
 from fastattn.ops import attention
 
 TOKENS, HEADS = (64, 2) if QUICK else (4096, 8)  # batch = TOKENS // length
-SHAPES = [(32, 16), (64, 32)] if QUICK else [(128, 64), (512, 64), (2048, 64), (512, 128)]
+SHAPES = [(32, 16), (64, 32)] if QUICK else [(32, 64), (128, 64), (512, 64), (2048, 64), (512, 128)]
 MEMORY_LENGTHS = [64, 128, 256] if QUICK else [1024, 2048, 4096, 8192]
 NAIVE_MAX_LENGTH = 128 if QUICK else 4096  # beyond it the naive (L, L) scores take gigabytes
 
