@@ -503,6 +503,11 @@ class Run:
             if args.device == "cuda" else torch.device("cpu")
         if args.threads:
             torch.set_num_threads(args.threads)
+        # oneDNN, which runs bf16 matmuls on CPUs, keeps 1,024 compiled kernels by default; token
+        # buckets give every batch its own shapes, and Multi30k's 64 batches need more, so steps
+        # recompiled kernels all run long (measured: a quarter slower, and a growing heap). Read
+        # when oneDNN first runs, below; a user's own setting wins.
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
         self.autocast, use_scaler, why = pick_precision(args.precision, self.device)
         if self.distributed and self.device.type == "cpu":  # each rank measured: rank 0 decides
             use_bf16 = torch.tensor([self.autocast is not None])
