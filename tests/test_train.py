@@ -272,6 +272,21 @@ def test_bidirectional_training_sees_both_directions_then_source_to_target(tmp_p
     assert pairs_of_an_epoch(run.updates(), len(run.forward_batches)) == forward
 
 
+@pytest.mark.parametrize("preset", [None, "64"])
+def test_run_widens_onednn_kernel_cache_unless_set(tmp_path, monkeypatch, preset):
+    """Token buckets give each batch its own shapes; oneDNN's default cache of 1,024 compiled
+    kernels overflowed on Multi30k, so the run raises it, before oneDNN first runs."""
+    if preset is None:
+        monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", preset)
+    paths = corpus(tmp_path, lines=20)
+    args = parse_args(train_command(paths, tmp_path / "run")[3:])
+    args.threads = 0  # keep this process's thread count
+    train_module.Run(args)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == (preset or "8192")
+
+
 def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
     paths = corpus(tmp_path, lines=40)
     args = parse_args(train_command(paths, tmp_path / "run", "--truecase")[3:])
