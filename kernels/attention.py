@@ -16,9 +16,10 @@ difference: a query row that may attend to no key at all returns zeros and passe
   The Triton kernels draw the keep mask inside the kernel from Philox keyed by a (seed, offset)
   pair taken from torch's default generator; the backward regenerates the same mask.
 
-On CPU, calls that need a gradient run fastattn._C's attention (csrc/attention.cpp: one task per
-(batch, head) pair, float32 inside) up to _CPU_NATIVE_MAX_KEYS keys, through the same
-torch.library ops and autograd as the Triton kernels; other CPU calls run PyTorch's ops.
+On CPU, calls that need a gradient, without dropout, run fastattn._C's attention
+(csrc/attention.cpp: one task per (batch, head) pair, float32 inside) up to _CPU_NATIVE_MAX_KEYS
+keys, through the same torch.library ops and autograd as the Triton kernels; other CPU calls run
+PyTorch's ops.
 
 Sections, top to bottom: the Triton kernels, their block-size table, the launchers, the native
 CPU launchers, the torch.library registration with autograd, the PyTorch path, the public op, the
@@ -576,8 +577,8 @@ def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> to
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # Up to these key lengths fastattn._C's forward+backward beats PyTorch's on CPU (2-3x at 13-64
-# keys, bf16 and fp32; even at 128; behind beyond, where PyTorch's blocked kernels win). Inference
-# runs PyTorch's fused kernel, which is faster without a backward.
+# keys, bf16 and fp32); at 128 it is about 10% behind, and further beyond, where PyTorch's blocked
+# kernels win. Inference runs PyTorch's fused kernel, which is faster without a backward.
 _CPU_NATIVE_MAX_KEYS = 64
 
 
