@@ -88,12 +88,11 @@ struct Head {
   }
 };
 
-// Scores of row i against keys [j0, n), 4 keys at a time: one shared reduction for four dots.
+// out[j] = x · keys[j] for j < n, 4 keys at a time: one shared reduction for four dots.
 template <int V8>
-FASTATTN_INLINE void dots(const v8 (&x)[V8], const float *keys, int64_t j0, int64_t n,
-                          float *out) {
+FASTATTN_INLINE void dots(const v8 (&x)[V8], const float *keys, int64_t n, float *out) {
   constexpr int64_t D = 8 * V8;
-  int64_t j = j0;
+  int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
     const float *k0 = keys + j * D;
     v8 a0{}, a1{}, a2{}, a3{};
@@ -118,7 +117,7 @@ FASTATTN_INLINE void dots(const v8 (&x)[V8], const float *keys, int64_t j0, int6
 template <int V8>
 FASTATTN_INLINE float scores_fixed(const Head &a, const v8 (&qi)[V8], const float *k, int64_t i,
                                    int64_t n, float *row) {
-  dots<V8>(qi, k, 0, n, row);
+  dots<V8>(qi, k, n, row);
   float m = -kInf;
   for (int64_t j = 0; j < n; ++j) {
     float s = row[j] * a.scale;
@@ -173,7 +172,7 @@ FASTATTN_INLINE void backward_fixed(const Head &a, const float *q, const float *
       for (int t = 0; t < V8; ++t) delta += doi[t] * load8(o + i * D + 8 * t);
       scores_fixed<V8>(a, qi, k, i, n, row);
       exp_shifted(row, n, lse[i]);  // p_ij
-      dots<V8>(doi, v, 0, n, dp);   // do_i · v_j
+      dots<V8>(doi, v, n, dp);   // do_i · v_j
       const float d = sum8(delta);
       for (int64_t j = 0; j < n; ++j) {
         const float p = row[j], ds = p * (dp[j] - d) * a.scale;
