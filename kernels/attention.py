@@ -16,7 +16,7 @@ difference: a query row that may attend to no key at all returns zeros and passe
   The Triton kernels draw the keep mask inside the kernel from Philox keyed by a (seed, offset)
   pair taken from torch's default generator; the backward regenerates the same mask.
 
-On CPU, calls that need a gradient, without dropout, run fastattn._C's attention
+On CPU, masked or causal calls that need a gradient, without dropout, run fastattn._C's attention
 (csrc/attention.cpp: one task per (batch, head) pair, float32 inside) up to _CPU_NATIVE_MAX_KEYS
 keys, through the same torch.library ops and autograd as the Triton kernels; other CPU calls run
 PyTorch's ops.
@@ -576,15 +576,18 @@ def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> to
 # ---------------------------------------------------------------------------------------------
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-# Up to these key lengths fastattn._C's forward+backward beats PyTorch's on CPU (2-3x at 13-64
-# keys, bf16 and fp32); at 128 it is about 10% behind, and further beyond, where PyTorch's blocked
-# kernels win. Inference runs PyTorch's fused kernel, which is faster without a backward.
+# With a mask or causal, up to these key lengths fastattn._C's forward+backward beats PyTorch's
+# explicit product on CPU, whose masking and empty-row passes cost more than its products (about
+# 1.3-2x at 18-32 keys); at 128 keys it is about 10% behind, and further beyond. Without any mask
+# the plain explicit product is 2-3x faster than fastattn._C's (its batched GEMMs beat the
+# per-head loops), and inference runs PyTorch's fused kernel, faster without a backward.
 _CPU_NATIVE_MAX_KEYS = 64
 
 
-def _use_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float) -> bool:
+def _use_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
+                masked: bool) -> bool:
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (backward and dropout_p == 0.0 and k.shape[2] <= _CPU_NATIVE_MAX_KEYS
+    return (masked and backward and dropout_p == 0.0 and k.shape[2] <= _CPU_NATIVE_MAX_KEYS
             and native_cpu(q, dtypes=_NATIVE_DTYPES))
 
 
@@ -783,14 +786,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     "bottom_right" (j <= i + Lk - Lq). attn_mask: bool (True = attend) or float (added),
     broadcastable to (B, H, Lq, Lk); no gradient flows to it. scale defaults to D ** -0.5.
     Runs the Triton kernels (fp16, bf16, fp32; head dims up to 256) when
-    fastattn.backend.use_triton(q) says so; else, when a gradient is needed without dropout,
-    fastattn._C's CPU kernels (fp32, bf16; up to _CPU_NATIVE_MAX_KEYS keys); PyTorch otherwise
+    fastattn.backend.use_triton(q) says so; else, when a masked or causal call needs a gradient
+    without dropout, fastattn._C's CPU kernels (fp32, bf16; up to _CPU_NATIVE_MAX_KEYS keys); PyTorch otherwise
     and for fp64.
     """
     _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale)
     alignment = CAUSAL_ALIGNMENTS[causal]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if _use_native(q, k, v, dropout_p):
+    if _use_native(q, k, v, dropout_p, masked=attn_mask is not None or alignment is not None):
         out, _ = _attention_forward_op(q, k, v, attn_mask, None, alignment, 0.0, scale)
         return out
     if not use_triton(q) or q.dtype not in _TRITON_DTYPES:

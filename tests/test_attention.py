@@ -258,7 +258,7 @@ def test_registered_op_fake_and_autograd(seeded):
 @pytest.mark.skipif(not NATIVE, reason=NATIVE_REASON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lq,lk,d,causal,mask_name", [
-    (1, 1, 16, False, None), (17, 17, 32, True, "key_padding"), (97, 64, 64, True, None),
+    (1, 1, 16, True, None), (17, 17, 32, True, "key_padding"), (97, 64, 64, True, None),
     (13, 64, 8, "bottom_right", "float"), (64, 33, 12, False, "bool_full"),
     (33, 17, 24, "bottom_right", "bool_broadcast"), (5, 9, 72, False, "float_broadcast_heads"),
 ])
@@ -266,8 +266,8 @@ def test_native_cpu_attention(seeded, lq, lk, d, causal, mask_name, dtype):
     """The CPU training path, fastattn._C's kernels, through attention(): head widths with
     register-resident rows (8, 16, 32, 64) and the general loops (12, 24, 72), every mask kind."""
     q, k, v = (x.requires_grad_() for x in _inputs(lq, lk, d, dtype))
-    assert _use_native(q, k, v, 0.0)
     mask = None if mask_name is None else _masks(2, 3, lq, lk)[mask_name]
+    assert _use_native(q, k, v, 0.0, masked=True)
     if mask is not None and mask.is_floating_point():
         mask = mask.to(dtype)
     _check_against_reference(q, k, v, attn_mask=mask, causal=causal,
@@ -282,19 +282,22 @@ def test_native_op_registration(seeded):
 
 
 def test_native_cpu_attention_only_where_it_is_faster_and_exact():
-    """Inference (PyTorch's fused kernel is faster without a backward), dropout (the native
-    kernels have none), longer keys and dtypes other than fp32/bf16 take the PyTorch path."""
+    """Unmasked calls (PyTorch's plain product is faster), inference (its fused kernel is faster
+    without a backward), dropout (the native kernels have none), longer keys and dtypes other
+    than fp32/bf16 take the PyTorch path."""
     def inputs(lk=_CPU_NATIVE_MAX_KEYS, dtype=torch.float32, grad=True):
         q, k, v = _inputs(3, lk, 16, dtype)
         return q.requires_grad_(grad), k, v
 
-    assert not _use_native(*inputs(grad=False), 0.0)
-    assert not _use_native(*inputs(), 0.1)
-    assert not _use_native(*inputs(lk=_CPU_NATIVE_MAX_KEYS + 1), 0.0)
-    assert not _use_native(*inputs(dtype=torch.float16), 0.0)
-    assert not _use_native(*inputs(dtype=torch.float64), 0.0)
+    assert _use_native(*inputs(), 0.0, masked=True) == NATIVE
+    assert not _use_native(*inputs(), 0.0, masked=False)
+    assert not _use_native(*inputs(grad=False), 0.0, masked=True)
+    assert not _use_native(*inputs(), 0.1, masked=True)
+    assert not _use_native(*inputs(lk=_CPU_NATIVE_MAX_KEYS + 1), 0.0, masked=True)
+    assert not _use_native(*inputs(dtype=torch.float16), 0.0, masked=True)
+    assert not _use_native(*inputs(dtype=torch.float64), 0.0, masked=True)
     with torch.no_grad():
-        assert not _use_native(*inputs(), 0.0)
+        assert not _use_native(*inputs(), 0.0, masked=True)
 
 
 @pytest.mark.parametrize("args,kwargs,message", [
