@@ -20,18 +20,6 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// a · b over n floats; one vector accumulator when n is a multiple of 8 (every usual head width).
-FASTATTN_INLINE float dot(const float *a, const float *b, int64_t n) {
-  if (n % 8 == 0) {
-    v8 acc{};
-    for (int64_t d = 0; d < n; d += 8) acc += load8(a + d) * load8(b + d);
-    return sum8(acc);
-  }
-  float s = 0;
-  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
-  return s;
-}
-
 // y += a x over n floats.
 FASTATTN_INLINE void axpy(float a, const float *x, float *y, int64_t n) {
   if (n % 8 == 0) {

@@ -20,35 +20,6 @@ namespace fastattn {
 
 namespace {
 
-// q · k over n elements, in 16 independent partial sums so that the loop vectorises without
-// reassociating one running sum (which -O3 alone may not do for floating point).
-template <typename scalar_t>
-FASTATTN_INLINE scalar_t dot_lanes(const scalar_t *q, const scalar_t *k, int64_t n) {
-  constexpr int64_t kLanes = 16;
-  scalar_t partial[kLanes] = {};
-  int64_t d = 0;
-  for (; d + kLanes <= n; d += kLanes)
-    for (int64_t l = 0; l < kLanes; ++l) partial[l] += q[d + l] * k[d + l];
-  scalar_t s = 0;
-  for (; d < n; ++d) s += q[d] * k[d];
-  for (int64_t l = 0; l < kLanes; ++l) s += partial[l];
-  return s;
-}
-
-template <typename scalar_t>
-FASTATTN_INLINE scalar_t dot(const scalar_t *q, const scalar_t *k, int64_t n) {
-  return dot_lanes(q, k, n);
-}
-
-// Head widths that are multiples of 8 (all the paper's): one vector accumulator, one reduction.
-template <>
-FASTATTN_INLINE float dot<float>(const float *q, const float *k, int64_t n) {
-  if (n % 8 != 0 || n == 0) return dot_lanes(q, k, n);
-  v8 acc = load8(q) * load8(k);
-  for (int64_t d = 8; d < n; d += 8) acc += load8(q + d) * load8(k + d);
-  return sum8(acc);
-}
-
 // o = scale · sum_j w[j] values[j] over L rows of n elements.
 template <typename scalar_t>
 FASTATTN_INLINE void weighted_sum_rows(const scalar_t *w, scalar_t scale,
