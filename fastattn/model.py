@@ -627,6 +627,12 @@ class Transformer(nn.Module):
             setup.limits, setup.penalty, *setup.finished, eos_id, nbest)
         return setup.best(nbest)
 
+    def train(self, mode: bool = True) -> Transformer:
+        # Fused Adam writes the weights without bumping their version counters, so the packed
+        # copies cannot tell; a switch of mode (training <-> evaluation) rebuilds them.
+        self._decoder_weights = self._decoder_weights_key = None
+        return super().train(mode)
+
     def _native_decoder_step(self, x: Tensor) -> bool:
         return (_NATIVE_DECODER_STEP and not self.cfg.pre_norm and x.device.type == "cpu"
                 and x.dtype in (torch.float32, torch.float64))
@@ -635,7 +641,8 @@ class Transformer(nn.Module):
         """For fastattn::decoder_step: the decoder's weights in its order (18 per layer), and
         for float32 the panels of its 6 linear maps per layer and of the output projection
         (fastattn::pack_linear_weight, the few-row layout). Built once and again only after a
-        weight changed: in-place updates bump a tensor's _version."""
+        weight changed: in-place updates bump a tensor's _version, and train() drops the copies
+        for the updates that do not (fused optimisers)."""
         key = tuple((p.data_ptr(), p._version) for p in self.parameters())
         if self._decoder_weights_key != key:
             linears = [(layer.self_attention.qkv, layer.self_attention.out,

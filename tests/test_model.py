@@ -119,6 +119,25 @@ def test_decoding_follows_weights_updated_in_place(decoder_path):
                 p.add_(torch.randn_like(p), alpha=0.1)
 
 
+def test_decoding_follows_a_fused_optimiser(decoder_path):
+    """Fused Adam (the trainer's) writes the weights without bumping their version counters: the
+    next decoding after a training step (train(), step, eval(), as the trainer's dev evaluation
+    does) must still use the new weights."""
+    model = make_model()
+    optimiser = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
+    src, tgt = tokens(2, 5), tokens(2, 4, seed=3)
+    for _ in range(3):
+        state = model.start_decoding(src)
+        steps = [model.decode_step(tgt[:, t], state) for t in range(tgt.shape[1])]
+        torch.testing.assert_close(torch.stack(steps, dim=1), model(src, tgt).log_softmax(-1),
+                                   **TOL)
+        model.train()
+        model(src, tgt).logsumexp(-1).mean().backward()
+        optimiser.step()
+        optimiser.zero_grad()
+        model.eval()
+
+
 @pytest.mark.parametrize("cfg", ATTENTION_VARIANTS.values(), ids=ATTENTION_VARIANTS.keys())
 def test_cached_decoding_follows_beam_search_reorders(cfg, decoder_path):
     """Rows are expanded, shuffled, duplicated and dropped, and sentences finish and leave, as
