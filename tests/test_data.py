@@ -233,6 +233,15 @@ def test_token_batches_cover_every_pair_once_within_budget():
     assert 0 <= batches.padding_fraction(0) < 0.15
 
 
+def test_token_batches_pad_little_on_multi30k():
+    """Batches sorted by the longer side pad both sides little: on the embedded corpus's word
+    counts, 5.3% of a 16000-token batch is padding (sorted by target length alone: 10.3%)."""
+    train = data.load_multi30k("train", "en", "de")
+    src = [len(s.split()) + 1 for s in train.src]
+    tgt = [len(t.split()) + 1 for t in train.tgt]
+    assert data.TokenBatches(src, tgt, 16000, seed=1).padding_fraction(0) < 0.07
+
+
 def test_token_batches_deterministic_per_seed_and_shuffled_per_epoch():
     src, tgt = lengths()
     a, b = data.TokenBatches(src, tgt, 300, seed=1), data.TokenBatches(src, tgt, 300, seed=1)
