@@ -1,7 +1,7 @@
 // Attention with its backward on CPU. One task per (batch, head) pair: its q, k, v rows are
 // copied into float32 buffers (converting bfloat16 once), worked on while they sit in cache, and
-// the results written once. The backward recomputes the probabilities from lse, as the Triton
-// kernels do, so the forward keeps no (Lq, Lk) matrix.
+// the results written once. The backward recomputes the probabilities from lse and the dropout
+// mask from its seed, as the Triton kernels do, so the forward keeps no (Lq, Lk) matrix.
 #include "attention.h"
 
 #include <ATen/ATen.h>
@@ -13,6 +13,7 @@
 #include <limits>
 #include <vector>
 
+#include "dropout.h"
 #include "vector_math.h"
 
 namespace fastattn {
@@ -47,7 +48,8 @@ FASTATTN_INLINE float exp_shifted(float *p, int64_t n, float shift) {
 }
 
 // One (batch, head) pair: float32 rows, contiguous, D wide. bias points at the pair's (0, 0)
-// element with row stride si and column stride sj, or is null.
+// element with row stride si and column stride sj, or is null. Query i's dropout row is
+// first_row + i: the pair's rows follow each other in (B, H, Lq) order.
 struct Head {
   int64_t Lq, Lk, D;
   bool causal;
@@ -55,6 +57,8 @@ struct Head {
   float scale;
   const float *bias;
   int64_t si, sj;
+  Dropout dropout;
+  int64_t first_row;
 
   // Keys row i may see: all, or those up to its causal limit.
   int64_t keys(int64_t i) const {
@@ -73,6 +77,23 @@ struct Head {
       m = std::max(m, s);
     }
     return m;
+  }
+
+  // w[j] *= keep_ij / (1 - p) for j < n: dropout of row i's attention weights, in place.
+  FASTATTN_INLINE void drop(int64_t i, int64_t n, float *w) const {
+    dropout.apply_row(w, w, n, dropout.key(first_row + i));
+  }
+
+  // Row i of the backward with dropout, z_ij = keep_ij / (1 - p): dp[j] *= z_ij, and pz[j] =
+  // p[j] z_ij, the weight v_j got in the forward.
+  FASTATTN_INLINE void drop_backward(int64_t i, int64_t n, const float *p, float *dp,
+                                     float *pz) const {
+    std::fill(pz, pz + n, 1.0f);
+    drop(i, n, pz);
+    for (int64_t j = 0; j < n; ++j) {
+      dp[j] *= pz[j];
+      pz[j] *= p[j];
+    }
   }
 };
 
@@ -132,7 +153,8 @@ FASTATTN_INLINE void forward_fixed(const Head &a, const float *q, const float *k
     const float m = scores_fixed<V8>(a, qi, k, i, n, row);
     float inv = 0;
     if (m > -kInf) {
-      const float l = exp_shifted(row, n, m);
+      const float l = exp_shifted(row, n, m);  // the normaliser sums the weights before dropout
+      if (a.dropout.on) a.drop(i, n, row);
       for (int64_t j = 0; j < n; ++j)
         for (int t = 0; t < V8; ++t) acc[t] += row[j] * load8(v + j * D + 8 * t);
       inv = 1.0f / l;
@@ -147,8 +169,8 @@ FASTATTN_INLINE void forward_fixed(const Head &a, const float *q, const float *k
 template <int V8>
 FASTATTN_INLINE void backward_fixed(const Head &a, const float *q, const float *k,
                                     const float *v, const float *o, const float *dout,
-                                    const float *lse, float *row, float *dp, float *dq,
-                                    float *dk, float *dv) {
+                                    const float *lse, float *row, float *dp, float *pz,
+                                    float *dq, float *dk, float *dv) {
   constexpr int64_t D = 8 * V8;
   for (int64_t i = 0; i < a.Lq; ++i) {
     v8 dqi[V8] = {};
@@ -161,13 +183,18 @@ FASTATTN_INLINE void backward_fixed(const Head &a, const float *q, const float *
       scores_fixed<V8>(a, qi, k, i, n, row);
       exp_shifted(row, n, lse[i]);  // p_ij
       dots<V8>(doi, v, n, dp);   // do_i · v_j
+      const float *pv = row;     // the weights v_j got
+      if (a.dropout.on) {
+        a.drop_backward(i, n, row, dp, pz);
+        pv = pz;
+      }
       const float d = sum8(delta);
       for (int64_t j = 0; j < n; ++j) {
         const float p = row[j], ds = p * (dp[j] - d) * a.scale;
         float *dvj = dv + j * D, *dkj = dk + j * D;
         const float *kj = k + j * D;
         for (int t = 0; t < V8; ++t) {
-          store8(dvj + 8 * t, load8(dvj + 8 * t) + p * doi[t]);
+          store8(dvj + 8 * t, load8(dvj + 8 * t) + pv[j] * doi[t]);
           store8(dkj + 8 * t, load8(dkj + 8 * t) + ds * qi[t]);
           dqi[t] += ds * load8(kj + 8 * t);
         }
@@ -190,6 +217,7 @@ FASTATTN_INLINE void forward_any(const Head &a, const float *q, const float *k, 
       continue;
     }
     const float l = exp_shifted(row, n, m);
+    if (a.dropout.on) a.drop(i, n, row);
     float *oi = o + i * D;
     for (int64_t j = 0; j < n; ++j) axpy(row[j], v + j * D, oi, D);
     const float inv = 1.0f / l;
@@ -200,7 +228,8 @@ FASTATTN_INLINE void forward_any(const Head &a, const float *q, const float *k, 
 
 FASTATTN_INLINE void backward_any(const Head &a, const float *q, const float *k, const float *v,
                                   const float *o, const float *dout, const float *lse,
-                                  float *row, float *dq, float *dk, float *dv) {
+                                  float *row, float *dp, float *pz, float *dq, float *dk,
+                                  float *dv) {
   const int64_t D = a.D;
   std::fill(dq, dq + a.Lq * D, 0.0f);
   for (int64_t i = 0; i < a.Lq; ++i) {
@@ -211,10 +240,16 @@ FASTATTN_INLINE void backward_any(const Head &a, const float *q, const float *k,
     const float *qi = q + i * D, *doi = dout + i * D;
     float *dqi = dq + i * D;
     const float delta = dot(doi, o + i * D, D);
+    for (int64_t j = 0; j < n; ++j) dp[j] = dot(doi, v + j * D, D);
+    const float *pv = row;  // the weights v_j got
+    if (a.dropout.on) {
+      a.drop_backward(i, n, row, dp, pz);
+      pv = pz;
+    }
     for (int64_t j = 0; j < n; ++j) {
       const float p = row[j];
-      axpy(p, doi, dv + j * D, D);
-      const float ds = p * (dot(doi, v + j * D, D) - delta) * a.scale;
+      axpy(pv[j], doi, dv + j * D, D);
+      const float ds = p * (dp[j] - delta) * a.scale;
       axpy(ds, k + j * D, dqi, D);
       axpy(ds, qi, dk + j * D, D);
     }
@@ -232,19 +267,20 @@ FASTATTN_CLONES void forward_head(const Head &a, const float *q, const float *k,
   forward_any(a, q, k, v, row, o, lse);
 }
 
-// row and dp hold Lk floats each.
+// row, dp and pz hold Lk floats each.
 FASTATTN_CLONES void backward_head(const Head &a, const float *q, const float *k, const float *v,
                                    const float *o, const float *dout, const float *lse,
-                                   float *row, float *dp, float *dq, float *dk, float *dv) {
+                                   float *row, float *dp, float *pz, float *dq, float *dk,
+                                   float *dv) {
   std::fill(dk, dk + a.Lk * a.D, 0.0f);
   std::fill(dv, dv + a.Lk * a.D, 0.0f);
   switch (a.D) {
-    case 8: return backward_fixed<1>(a, q, k, v, o, dout, lse, row, dp, dq, dk, dv);
-    case 16: return backward_fixed<2>(a, q, k, v, o, dout, lse, row, dp, dq, dk, dv);
-    case 32: return backward_fixed<4>(a, q, k, v, o, dout, lse, row, dp, dq, dk, dv);
-    case 64: return backward_fixed<8>(a, q, k, v, o, dout, lse, row, dp, dq, dk, dv);
+    case 8: return backward_fixed<1>(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
+    case 16: return backward_fixed<2>(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
+    case 32: return backward_fixed<4>(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
+    case 64: return backward_fixed<8>(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
   }
-  backward_any(a, q, k, v, o, dout, lse, row, dq, dk, dv);
+  backward_any(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
 }
 
 // rows (L, D) of a head with row stride `stride`, as contiguous float32; and back.
@@ -289,9 +325,10 @@ struct Problem {
   int64_t bias_sb = 0, bias_sh = 0;
 
   Problem(const at::Tensor &q, const at::Tensor &k, const std::optional<at::Tensor> &bias_,
-          bool causal, int64_t shift, double scale)
+          bool causal, int64_t shift, double scale, double dropout_p, int64_t seed)
       : B(q.size(0)), H(q.size(1)), Lq(q.size(2)), Lk(k.size(2)), D(q.size(3)) {
-    head = Head{Lq, Lk, D, causal, shift, static_cast<float>(scale), nullptr, 0, 0};
+    head = Head{Lq, Lk, D, causal, shift, static_cast<float>(scale), nullptr, 0, 0,
+                Dropout(seed, dropout_p), 0};
     if (bias_) {
       bias = bias_->data_ptr<float>();
       bias_sb = bias_->stride(0);
@@ -305,6 +342,7 @@ struct Problem {
   Head at(int64_t b, int64_t h) const {
     Head a = head;
     if (bias) a.bias = bias + b * bias_sb + h * bias_sh;
+    a.first_row = (b * H + h) * Lq;
     return a;
   }
 
@@ -361,10 +399,10 @@ void backward(const Problem &p, const at::Tensor &grad_out, const at::Tensor &q,
   T *dq_data = dq.data_ptr<T>(), *dk_data = dk.data_ptr<T>(), *dv_data = dv.data_ptr<T>();
   const int64_t Lq = p.Lq, Lk = p.Lk, D = p.D;
   at::parallel_for(0, p.B * p.H, p.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(4 * Lq * D + 4 * Lk * D + 2 * Lk);
+    std::vector<float> buffer(4 * Lq * D + 4 * Lk * D + 3 * Lk);
     float *Q = buffer.data(), *O = Q + Lq * D, *dO = O + Lq * D, *dQ = dO + Lq * D;
     float *K = dQ + Lq * D, *V = K + Lk * D, *dK = V + Lk * D, *dV = dK + Lk * D;
-    float *row = dV + Lk * D, *dp = row + Lk;
+    float *row = dV + Lk * D, *dp = row + Lk, *pz = dp + Lk;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / p.H, h = bh % p.H;
       load_rows(qr.at(b, h), qr.sl, Lq, D, Q);
@@ -372,7 +410,7 @@ void backward(const Problem &p, const at::Tensor &grad_out, const at::Tensor &q,
       load_rows(vr.at(b, h), vr.sl, Lk, D, V);
       load_rows(outr.at(b, h), outr.sl, Lq, D, O);
       load_rows(dor.at(b, h), dor.sl, Lq, D, dO);
-      backward_head(p.at(b, h), Q, K, V, O, dO, lse_data + bh * Lq, row, dp, dQ, dK, dV);
+      backward_head(p.at(b, h), Q, K, V, O, dO, lse_data + bh * Lq, row, dp, pz, dQ, dK, dV);
       store(dQ, Lq * D, dq_data + bh * Lq * D);
       store(dK, Lk * D, dk_data + bh * Lk * D);
       store(dV, Lk * D, dv_data + bh * Lk * D);
@@ -386,9 +424,11 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor &q, const 
                                                      const at::Tensor &v,
                                                      const std::optional<at::Tensor> &bias,
                                                      bool causal, int64_t causal_shift,
-                                                     double scale) {
+                                                     double scale, double dropout_p,
+                                                     int64_t seed) {
   check("attention_fwd_cpu", q, k, v, bias);
-  const Problem p(q, k, bias, causal, causal_shift, scale);
+  check_dropout(dropout_p);
+  const Problem p(q, k, bias, causal, causal_shift, scale, dropout_p, seed);
   auto out = at::empty({p.B, p.H, p.Lq, p.D}, q.options());
   auto lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   if (q.scalar_type() == at::kFloat) {
@@ -402,8 +442,9 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor &q, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor &grad_out, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     const at::Tensor &out, const at::Tensor &lse, const std::optional<at::Tensor> &bias,
-    bool causal, int64_t causal_shift, double scale) {
+    bool causal, int64_t causal_shift, double scale, double dropout_p, int64_t seed) {
   check("attention_bwd_cpu", q, k, v, bias);
+  check_dropout(dropout_p);
   TORCH_CHECK(grad_out.sizes() == q.sizes() && out.sizes() == q.sizes() &&
                   grad_out.scalar_type() == q.scalar_type() &&
                   out.scalar_type() == q.scalar_type() && grad_out.stride(3) == 1 &&
@@ -412,7 +453,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
   TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
                   lse.numel() == q.size(0) * q.size(1) * q.size(2),
               "attention_bwd_cpu: lse must be contiguous float32 (B, H, Lq)");
-  const Problem p(q, k, bias, causal, causal_shift, scale);
+  const Problem p(q, k, bias, causal, causal_shift, scale, dropout_p, seed);
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
   auto dv = at::empty(v.sizes(), v.options());

@@ -44,10 +44,11 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
   m.def("cpu_dropout(Tensor x, int seed, float dropout_p) -> Tensor");
   m.def(
       "cpu_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor? bias, bool causal, "
-      "int causal_shift, float scale) -> (Tensor, Tensor)");
+      "int causal_shift, float scale, float dropout_p, int seed) -> (Tensor, Tensor)");
   m.def(
       "cpu_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? bias, bool causal, int causal_shift, float scale) -> (Tensor, Tensor, Tensor)");
+      "Tensor? bias, bool causal, int causal_shift, float scale, float dropout_p, int seed) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def(
       "cpu_cross_entropy_grad(Tensor(a!) logits, Tensor target, Tensor row_weight, "
       "float smoothing, int ignore_index) -> (Tensor, Tensor)");

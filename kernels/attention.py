@@ -13,13 +13,14 @@ difference: a query row that may attend to no key at all returns zeros and passe
   (B, H, Lq, Lk). The kernels read broadcast dimensions with stride 0, so a key-padding mask of
   shape (B, 1, 1, Lk) is never expanded in memory. The mask is a constant: no gradient flows to it.
 - dropout_p: attention dropout, applied on every call (as in PyTorch; pass 0.0 in eval mode).
-  The Triton kernels draw the keep mask inside the kernel from Philox keyed by a (seed, offset)
-  pair taken from torch's default generator; the backward regenerates the same mask.
+  The kernels draw the keep mask as they go from a (seed, offset) pair taken from torch's default
+  generator, and the backward regenerates the same mask: the Triton kernels from Philox, the CPU
+  kernels from fastattn._C's counter-based hash (csrc/dropout.h, the one residual dropout uses).
 
-On CPU, masked or causal calls that need a gradient, without dropout, run fastattn._C's attention
+On CPU, masked or causal calls that need a gradient run fastattn._C's attention
 (csrc/attention.cpp: one task per (batch, head) pair, float32 inside) up to _CPU_NATIVE_MAX_KEYS
 keys, through the same torch.library ops and autograd as the Triton kernels; other CPU calls run
-PyTorch's ops.
+PyTorch's ops, with the native dropout mask where fastattn._C is built.
 
 Sections, top to bottom: the Triton kernels, their block-size table, the launchers, the native
 CPU launchers, the torch.library registration with autograd, the PyTorch path, the public op, the
@@ -558,9 +559,15 @@ def _philox_seed_offset() -> torch.Tensor:
 
 def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> torch.Tensor:
     """The bool keep-mask (B, H, Lq, Lk) that the next attention(q, k, v, dropout_p=dropout_p)
-    call on the same backend will draw, given the same RNG state: for tests, which reset the seed,
-    call this, reset it again and compare attention against the reference under this mask."""
+    call on the same backend will draw, given the same RNG state: the PyTorch path draws its mask
+    here, and tests, which reset the seed, call this, reset it again and compare attention against
+    the reference under this mask."""
     b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    if native_cpu(q, dtypes=(q.dtype,)):  # the mask does not depend on q's dtype
+        # fastattn._C's mask of row (b H + h) Lq + i, column j, as its attention kernels draw it.
+        seed = int(_philox_seed_offset()[0])
+        ones = torch.ones(b * h * lq, lk)
+        return torch.ops.fastattn.cpu_dropout(ones, seed, dropout_p).ne(0).view(b, h, lq, lk)
     if not use_triton(q):
         return torch.rand((b, h, lq, lk), device=q.device) >= dropout_p
     seed, offset = _philox_seed_offset().tolist()
@@ -584,10 +591,9 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 _CPU_NATIVE_MAX_KEYS = 64
 
 
-def _use_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float,
-                masked: bool) -> bool:
+def _use_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool) -> bool:
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (masked and backward and dropout_p == 0.0 and k.shape[2] <= _CPU_NATIVE_MAX_KEYS
+    return (masked and backward and k.shape[2] <= _CPU_NATIVE_MAX_KEYS
             and native_cpu(q, dtypes=_NATIVE_DTYPES))
 
 
@@ -603,16 +609,22 @@ def _native_args(q, k, attn_mask, causal):
     return bias, causal is not None, _causal_shift(causal, lq, lk)
 
 
-def _attention_forward_native(q, k, v, attn_mask, causal, scale):
+def _native_seed(rng: torch.Tensor | None, dropout_p: float) -> int:
+    return int(rng[0]) if dropout_p > 0 else 0
+
+
+def _attention_forward_native(q, k, v, attn_mask, rng, causal, dropout_p, scale):
     q, k, v = (_unit_last_stride(x) for x in (q, k, v))
     return torch.ops.fastattn.cpu_attention_fwd(q, k, v, *_native_args(q, k, attn_mask, causal),
-                                                scale)
+                                                scale, dropout_p, _native_seed(rng, dropout_p))
 
 
-def _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, causal, scale):
+def _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p,
+                               scale):
     q, k, v, grad_out = (_unit_last_stride(x) for x in (q, k, v, grad_out))
     return torch.ops.fastattn.cpu_attention_bwd(grad_out, q, k, v, out, lse,
-                                                *_native_args(q, k, attn_mask, causal), scale)
+                                                *_native_args(q, k, attn_mask, causal), scale,
+                                                dropout_p, _native_seed(rng, dropout_p))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -625,8 +637,8 @@ def _attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
                           causal: str | None, dropout_p: float,
                           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if native_cpu(q, dtypes=_NATIVE_DTYPES) and dropout_p == 0.0:
-        return _attention_forward_native(q, k, v, attn_mask, causal, scale)
+    if native_cpu(q, dtypes=_NATIVE_DTYPES):
+        return _attention_forward_native(q, k, v, attn_mask, rng, causal, dropout_p, scale)
     return _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale)
 
 
@@ -642,8 +654,9 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                            attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
                            causal: str | None, dropout_p: float,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if native_cpu(q, dtypes=_NATIVE_DTYPES) and dropout_p == 0.0:
-        return _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, causal, scale)
+    if native_cpu(q, dtypes=_NATIVE_DTYPES):
+        return _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
+                                          dropout_p, scale)
     return _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
                                       dropout_p, scale)
 
@@ -724,7 +737,7 @@ def _attention_torch(q, k, v, causal, attn_mask, dropout_p, scale):
     if dropout_p == 0.0:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:  # PyTorch's dropout draws its mask internally; draw ours so tests can reproduce it
-        keep = torch.rand((q.shape[0], q.shape[1], lq, lk), device=q.device) >= dropout_p
+        keep = _dropout_keep_mask(q, k, dropout_p)
         out = attention_reference(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
                                   dropout_keep=keep)
     return out if empty is None else out.masked_fill(empty, 0.0)
@@ -786,22 +799,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     "bottom_right" (j <= i + Lk - Lq). attn_mask: bool (True = attend) or float (added),
     broadcastable to (B, H, Lq, Lk); no gradient flows to it. scale defaults to D ** -0.5.
     Runs the Triton kernels (fp16, bf16, fp32; head dims up to 256) when
-    fastattn.backend.use_triton(q) says so; else, when a masked or causal call needs a gradient
-    without dropout, fastattn._C's CPU kernels (fp32, bf16; up to _CPU_NATIVE_MAX_KEYS keys); PyTorch otherwise
+    fastattn.backend.use_triton(q) says so; else, when a masked or causal call needs a gradient,
+    fastattn._C's CPU kernels (fp32, bf16; up to _CPU_NATIVE_MAX_KEYS keys); PyTorch otherwise
     and for fp64.
     """
     _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale)
     alignment = CAUSAL_ALIGNMENTS[causal]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if _use_native(q, k, v, dropout_p, masked=attn_mask is not None or alignment is not None):
-        out, _ = _attention_forward_op(q, k, v, attn_mask, None, alignment, 0.0, scale)
-        return out
-    if not use_triton(q) or q.dtype not in _TRITON_DTYPES:
+    if use_triton(q) and q.dtype in _TRITON_DTYPES:
+        if q.shape[-1] > MAX_HEAD_DIM:
+            raise ValueError(f"attention: the Triton kernels support head dims up to "
+                             f"{MAX_HEAD_DIM}, got {q.shape[-1]}")
+    elif not _use_native(q, k, v, masked=attn_mask is not None or alignment is not None):
         # fp64 (gradcheck, references) runs PyTorch on every backend: the kernels have no fp64.
         return _attention_torch(q, k, v, alignment, attn_mask, dropout_p, scale)
-    if q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"attention: the Triton kernels support head dims up to {MAX_HEAD_DIM}, "
-                         f"got {q.shape[-1]}")
     rng = _philox_seed_offset() if dropout_p > 0 else None
     out, _ = _attention_forward_op(q, k, v, attn_mask, rng, alignment, float(dropout_p), scale)
     return out

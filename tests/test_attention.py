@@ -267,10 +267,33 @@ def test_native_cpu_attention(seeded, lq, lk, d, causal, mask_name, dtype):
     register-resident rows (8, 16, 32, 64) and the general loops (12, 24, 72), every mask kind."""
     q, k, v = (x.requires_grad_() for x in _inputs(lq, lk, d, dtype))
     mask = None if mask_name is None else _masks(2, 3, lq, lk)[mask_name]
-    assert _use_native(q, k, v, 0.0, masked=True)
+    assert _use_native(q, k, v, masked=True)
     if mask is not None and mask.is_floating_point():
         mask = mask.to(dtype)
     _check_against_reference(q, k, v, attn_mask=mask, causal=causal,
+                             atol=2e-5 if dtype == torch.float32 else 1e-3)
+
+
+@pytest.mark.skipif(not NATIVE, reason=NATIVE_REASON)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lq,lk,d,causal,mask_name", [
+    (17, 33, 32, "bottom_right", "key_padding"), (33, 17, 24, True, "float"),
+])
+def test_native_cpu_attention_dropout(lq, lk, d, causal, mask_name, dtype):
+    """fastattn._C's kernels with dropout: the mask they draw (cpu_dropout's, from the same seed)
+    explains the output and every gradient, head widths in registers (32) and general (24)."""
+    p = 0.3
+    q, k, v = (x.requires_grad_() for x in _inputs(lq, lk, d, dtype))
+    mask = _masks(2, 3, lq, lk)[mask_name]
+    mask = mask.to(dtype) if mask.is_floating_point() else mask
+    assert _use_native(q, k, v, masked=True)
+    grad_out = torch.randn_like(q)
+    torch.manual_seed(7)
+    keep = _dropout_keep_mask(q, k, p)
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.03
+    torch.manual_seed(7)
+    _check_against_reference(q, k, v, attn_mask=mask, causal=causal, dropout_p=p,
+                             dropout_keep=keep, grad_out=grad_out,
                              atol=2e-5 if dtype == torch.float32 else 1e-3)
 
 
@@ -279,25 +302,25 @@ def test_native_op_registration(seeded):
     q, k, v = (x.requires_grad_() for x in _inputs(17, 33, 40, torch.float32))
     mask = _masks(2, 3, 17, 33)["float"]
     torch.library.opcheck(_attention_forward_op, (q, k, v, mask, None, "bottom_right", 0.0, 0.2))
+    rng = torch.tensor([12345, 0])  # with dropout: the (seed, offset) input fixes the mask
+    torch.library.opcheck(_attention_forward_op, (q, k, v, mask, rng, "bottom_right", 0.3, 0.2))
 
 
 def test_native_cpu_attention_only_where_it_is_faster_and_exact():
     """Unmasked calls (PyTorch's plain product is faster), inference (its fused kernel is faster
-    without a backward), dropout (the native kernels have none), longer keys and dtypes other
-    than fp32/bf16 take the PyTorch path."""
+    without a backward), longer keys and dtypes other than fp32/bf16 take the PyTorch path."""
     def inputs(lk=_CPU_NATIVE_MAX_KEYS, dtype=torch.float32, grad=True):
         q, k, v = _inputs(3, lk, 16, dtype)
         return q.requires_grad_(grad), k, v
 
-    assert _use_native(*inputs(), 0.0, masked=True) == NATIVE
-    assert not _use_native(*inputs(), 0.0, masked=False)
-    assert not _use_native(*inputs(grad=False), 0.0, masked=True)
-    assert not _use_native(*inputs(), 0.1, masked=True)
-    assert not _use_native(*inputs(lk=_CPU_NATIVE_MAX_KEYS + 1), 0.0, masked=True)
-    assert not _use_native(*inputs(dtype=torch.float16), 0.0, masked=True)
-    assert not _use_native(*inputs(dtype=torch.float64), 0.0, masked=True)
+    assert _use_native(*inputs(), masked=True) == NATIVE
+    assert not _use_native(*inputs(), masked=False)
+    assert not _use_native(*inputs(grad=False), masked=True)
+    assert not _use_native(*inputs(lk=_CPU_NATIVE_MAX_KEYS + 1), masked=True)
+    assert not _use_native(*inputs(dtype=torch.float16), masked=True)
+    assert not _use_native(*inputs(dtype=torch.float64), masked=True)
     with torch.no_grad():
-        assert not _use_native(*inputs(), 0.0, masked=True)
+        assert not _use_native(*inputs(), masked=True)
 
 
 @pytest.mark.parametrize("args,kwargs,message", [
