@@ -39,6 +39,7 @@ import triton.language as tl
 
 from fastattn._native import native_cpu
 from fastattn.backend import interpreter_active, use_triton
+from fastattn.kernels.layer_norm import _seeded_dropout
 
 CAUSAL_ALIGNMENTS = {False: None, True: "top_left", "top_left": "top_left",
                      "bottom_right": "bottom_right"}
@@ -565,9 +566,10 @@ def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> to
     b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     if native_cpu(q, dtypes=(q.dtype,)):  # the mask does not depend on q's dtype
         # fastattn._C's mask of row (b H + h) Lq + i, column j, as its attention kernels draw it.
-        seed = int(_philox_seed_offset()[0])
+        # An op taking the seed as a tensor, so torch.compile traces this without a break.
+        seed = _philox_seed_offset()[:1]
         ones = torch.ones(b * h * lq, lk)
-        return torch.ops.fastattn.cpu_dropout(ones, seed, dropout_p).ne(0).view(b, h, lq, lk)
+        return _seeded_dropout(ones, seed, dropout_p).ne(0).view(b, h, lq, lk)
     if not use_triton(q):
         return torch.rand((b, h, lq, lk), device=q.device) >= dropout_p
     seed, offset = _philox_seed_offset().tolist()

@@ -216,17 +216,20 @@ def test_dropout_is_reproducible_from_the_seed():
     assert torch.equal(attention(q, k, v, dropout_p=0.5), first)
 
 
-def test_torch_compile_fullgraph(seeded):
-    """A function calling the op traces as one graph, forward and backward (aot_eager: no code
-    generation, so this stays cheap on CPU)."""
+@pytest.mark.parametrize("masked,dropout_p", [(True, 0.0), (True, 0.2), (False, 0.2)])
+def test_torch_compile_fullgraph(seeded, masked, dropout_p):
+    """A function calling the op traces as one graph, forward and backward, its dropout mask drawn
+    inside the graph, on every path (aot_eager: no code generation, so this stays cheap on CPU)."""
 
     def block(q, k, v, mask):
-        return attention(q, k, v, attn_mask=mask, causal=True).square().sum()
+        return attention(q, k, v, attn_mask=mask, causal=True, dropout_p=dropout_p).square().sum()
 
     q, k, v = _inputs(17, 33, 40, torch.float32)
-    mask = _masks(2, 3, 17, 33)["key_padding"]
+    mask = _masks(2, 3, 17, 33)["key_padding"] if masked else None
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(3)
     expected = _run(lambda q, k, v: block(q, k, v, mask), q, k, v, torch.tensor(1.0))
+    torch.manual_seed(3)
     got = _run(lambda q, k, v: compiled(q, k, v, mask), q, k, v, torch.tensor(1.0))
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b)
