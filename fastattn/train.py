@@ -156,11 +156,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--max-len", type=int, default=256, help="drop training pairs with a longer side")
     add(g, "--max-len-ratio", type=float, default=3.0,
         help="drop training pairs whose longer side is this many times the shorter")
-    add(g, "--truecase", action=argparse.BooleanOptionalAction, default=False,
+    add(g, "--truecase", action=argparse.BooleanOptionalAction, default=True,
         help="Moses-style truecasing (not in the paper): the first word of every sentence takes "
         "the form it mostly has inside sentences of the training text, so sentence-initial "
         "words share the other occurrences' pieces; translations get their capital first letter "
-        "back")
+        "back (--no-truecase: train on the text as it is)")
     add(g, "--bpe-dropout", type=float, default=0.0,
         help="BPE-dropout rate: training sentences get a randomly perturbed segmentation "
         "(Provilkov et al., 2020; not in the paper)")

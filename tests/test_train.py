@@ -289,7 +289,7 @@ def test_run_widens_onednn_kernel_cache_unless_set(tmp_path, monkeypatch, preset
 
 def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
     paths = corpus(tmp_path, lines=40)
-    args = parse_args(train_command(paths, tmp_path / "run", "--truecase")[3:])
+    args = parse_args(train_command(paths, tmp_path / "run")[3:])  # truecasing is the default
     args.threads = 0  # keep this process's thread count
     run = train_module.Run(args)
     raw = data.read_parallel(paths["train", "en"], paths["train", "de"])
@@ -305,16 +305,34 @@ def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
     assert checkpoint.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "run")[-1])[
         "meta"]["truecase"] == src.forms  # what fastattn.Translator truecases sources with
 
-    args = parse_args(train_command(paths, tmp_path / "run", "--resume")[3:])  # no --truecase
+    args = parse_args(train_command(paths, tmp_path / "run", "--resume", "--no-truecase")[3:])
     args.threads = 0
     resumed = train_module.Run(args)
     assert resumed.args.truecase and resumed.splits["train"].src_ids == train.src_ids
 
 
+def test_no_truecase_trains_on_the_text_as_it_is_and_a_resumed_run_keeps_it(tmp_path):
+    paths = corpus(tmp_path, lines=40)
+    args = parse_args(train_command(paths, tmp_path / "run", "--no-truecase")[3:])
+    args.threads = 0
+    run = train_module.Run(args)
+    raw = data.read_parallel(paths["train", "en"], paths["train", "de"])
+    assert run.splits["train"].src_ids == data.encode(run.sp, raw.src)
+    run.save()
+    assert checkpoint.load_checkpoint(checkpoint.list_checkpoints(tmp_path / "run")[-1])[
+        "meta"]["truecase"] is None  # fastattn.Translator neither truecases nor detruecases
+
+    args = parse_args(train_command(paths, tmp_path / "run", "--resume")[3:])  # default: on
+    args.threads = 0
+    resumed = train_module.Run(args)
+    assert not resumed.args.truecase and resumed.splits["train"].src_ids == run.splits[
+        "train"].src_ids
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("flags", [("--bpe-dropout", "0"), ("--bpe-dropout", "0.1"),
-                                   ("--bidirectional", "10"), ("--truecase",)],
-                         ids=["plain", "bpe-dropout", "bidirectional", "truecase"])
+                                   ("--bidirectional", "10"), ("--no-truecase",)],
+                         ids=["plain", "bpe-dropout", "bidirectional", "no-truecase"])
 def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
     paths = corpus(tmp_path)
     updates, kill_after = 24, 8
