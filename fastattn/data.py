@@ -389,3 +389,12 @@ def collate(
         inputs[row, : len(t) + 1] = torch.tensor([BOS_ID, *t])
         targets[row, : len(t) + 1] = torch.tensor([*t, EOS_ID])
     return source, inputs, targets
+
+
+def drop_words(ids: torch.Tensor, p: float, rng: np.random.Generator) -> torch.Tensor:
+    """ids with each piece (not PAD, UNK, BOS or EOS) replaced by UNK_ID with probability p.
+
+    Word dropout (Sennrich & Zhang, 2019): the model learns not to lean on any one input piece.
+    """
+    hit = torch.from_numpy(rng.random(tuple(ids.shape)) < p) & (ids > EOS_ID)  # specials: 0-3
+    return ids.masked_fill(hit, UNK_ID)

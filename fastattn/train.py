@@ -168,6 +168,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="bidirectional training, BiT (Ding et al., 2021; not in the paper): the first "
         "UPDATES updates train on every pair in both directions (target->source too, without "
         "tags), the rest on source->target only; BiT spends a third of the updates so (0: off)")
+    add(g, "--word-dropout", type=float, default=0.0,
+        help="each piece of a training batch's source and decoder input becomes <unk> with this "
+        "probability (Sennrich & Zhang, 2019; not in the paper)")
     add(g, "--max-tokens", type=int, default=16000,
         help="source + target tokens (padding included) per micro-batch per rank")
     add(g, "--seed", type=int, default=1,
@@ -292,7 +295,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                  "save_every_minutes", "max_len_b", "bidirectional"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
-    for name in (*DROPOUT_FLAGS, "label_smoothing", "bpe_dropout"):
+    for name in (*DROPOUT_FLAGS, "label_smoothing", "bpe_dropout", "word_dropout"):
         if getattr(args, name) is not None and not 0 <= getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be in [0, 1)")
     for name in SIZE_FLAGS:
@@ -701,16 +704,21 @@ class Run:
             yield [self.collate(epoch, i, b) for epoch, i, b in group]
 
     def collate(self, epoch: int, step: int, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        """The batch at this data position, in a freshly sampled segmentation with BPE-dropout."""
+        """The batch at this data position, freshly sampled with BPE-dropout and word dropout."""
         partners = [self.partner(j) for j in indices]
-        if self.bpe_dropout is None:
-            return data.collate([self.sentences[j] for j in indices],
-                                [self.sentences[j] for j in partners], range(len(indices)))
         # Seeded by the position, so a resumed run samples what the uninterrupted one did.
         rng = np.random.default_rng([self.args.seed, epoch, step, self.rank])
-        src = self.bpe_dropout.sample(indices, rng)
-        tgt = self.bpe_dropout.sample(partners, rng)
-        return data.collate(src, tgt, range(len(indices)))
+        if self.bpe_dropout is None:
+            src = [self.sentences[j] for j in indices]
+            tgt = [self.sentences[j] for j in partners]
+        else:
+            src = self.bpe_dropout.sample(indices, rng)
+            tgt = self.bpe_dropout.sample(partners, rng)
+        source, inputs, targets = data.collate(src, tgt, range(len(indices)))
+        if self.args.word_dropout > 0:  # the targets stay: the model still predicts every word
+            source = data.drop_words(source, self.args.word_dropout, rng)
+            inputs = data.drop_words(inputs, self.args.word_dropout, rng)
+        return source, inputs, targets
 
     def partner(self, j: int) -> int:
         """The sentence that sentence j translates to."""
