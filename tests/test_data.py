@@ -186,6 +186,19 @@ def test_bpe_dropout_samples_keep_the_text_and_depend_only_on_the_seeds(multi30k
     assert sampled == pytest.approx(expected, rel=0.03)
 
 
+def test_drop_words_replaces_pieces_at_the_rate_and_leaves_special_ids():
+    ids = torch.randint(4, 1000, (64, 97))
+    ids[:, 0], ids[:, 50], ids[:, 60:] = data.BOS_ID, data.EOS_ID, data.PAD_ID
+    ids[3, 5] = data.UNK_ID
+    dropped = data.drop_words(ids, 0.3, np.random.default_rng([1, 2]))
+    assert torch.equal(dropped, data.drop_words(ids, 0.3, np.random.default_rng([1, 2])))
+    changed = dropped != ids
+    special = ids <= data.EOS_ID
+    assert not changed[special].any() and (dropped[changed] == data.UNK_ID).all()
+    assert changed[~special].float().mean().item() == pytest.approx(0.3, abs=0.02)
+    assert torch.equal(data.drop_words(ids, 0.0, np.random.default_rng(0)), ids)
+
+
 @pytest.mark.parametrize("p", [0.0, 1.0, -0.1])
 def test_bpe_dropout_rate_out_of_range(multi30k_bpe, p):
     sp, ids = multi30k_bpe

@@ -169,6 +169,7 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--attention-dropout", "-0.1"], "--attention-dropout must be in"),
         (["--activation-dropout", "1"], "--activation-dropout must be in"),
         (["--bpe-dropout", "1"], "--bpe-dropout must be in [0, 1)"),
+        (["--word-dropout", "-0.1"], "--word-dropout must be in [0, 1)"),
         (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
         (["--rdrop", "-1"], "--rdrop must not be negative"),
         (["--bidirectional", "-1"], "--bidirectional must not be negative"),
@@ -311,6 +312,20 @@ def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
     assert resumed.args.truecase and resumed.splits["train"].src_ids == train.src_ids
 
 
+def test_word_dropout_hides_source_and_decoder_input_pieces_but_not_targets(tmp_path):
+    paths = corpus(tmp_path, lines=40)
+    batches = {}
+    for p in ("0", "0.2"):
+        args = parse_args(train_command(paths, tmp_path / p, "--word-dropout", p)[3:])
+        args.threads = 0
+        batches[p] = next(train_module.Run(args).updates())
+    for plain, dropped in zip(batches["0"], batches["0.2"], strict=True):
+        for ids, kept in zip(plain[:2], dropped[:2], strict=True):  # source, decoder input
+            changed = ids != kept
+            assert changed.any() and (kept[changed] == data.UNK_ID).all()
+        assert torch.equal(plain[2], dropped[2])
+
+
 def test_no_truecase_trains_on_the_text_as_it_is_and_a_resumed_run_keeps_it(tmp_path):
     paths = corpus(tmp_path, lines=40)
     args = parse_args(train_command(paths, tmp_path / "run", "--no-truecase")[3:])
@@ -330,9 +345,10 @@ def test_no_truecase_trains_on_the_text_as_it_is_and_a_resumed_run_keeps_it(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--bpe-dropout", "0"), ("--bpe-dropout", "0.1"),
+@pytest.mark.parametrize("flags", [("--bpe-dropout", "0"),
+                                   ("--bpe-dropout", "0.1", "--word-dropout", "0.1"),
                                    ("--bidirectional", "10"), ("--no-truecase",)],
-                         ids=["plain", "bpe-dropout", "bidirectional", "no-truecase"])
+                         ids=["plain", "bpe-and-word-dropout", "bidirectional", "no-truecase"])
 def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
     paths = corpus(tmp_path)
     updates, kill_after = 24, 8
