@@ -15,6 +15,7 @@ from fastattn.search import Hypothesis, beam_search, greedy_search
 __version__ = "0.1.0"
 __all__ = [
     "PRESETS",
+    "Ensemble",
     "Hypothesis",
     "LabelSmoothedCrossEntropy",
     "MultiHeadAttention",
@@ -33,9 +34,14 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Imported on first use: `python -m fastattn.translate` must not find itself already imported.
+    # Imported on first use: `python -m fastattn.translate` (and .ensemble) must not find itself
+    # already imported.
     if name == "Translator":
         from fastattn.translate import Translator
 
         return Translator
+    if name == "Ensemble":
+        from fastattn.ensemble import Ensemble
+
+        return Ensemble
     raise AttributeError(f"module 'fastattn' has no attribute {name!r}")

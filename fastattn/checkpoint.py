@@ -3,7 +3,8 @@ section 6.1: the base model averages the last 5 checkpoints, the big model the l
 
 A checkpoint file is a header line `fastattn-checkpoint <sha256 of the payload> <payload bytes>`
 followed by the payload, a torch.save of a dict of plain types and tensors:
-  model    the model's state_dict          config   the TransformerConfig as a dict
+  model    the model's state_dict          config   the TransformerConfig as a dict (an
+                                                    ensemble's: a list, one per member)
   spm      the SentencePiece model proto   meta     step, languages, scores, training arguments
   train    what an exact resume needs (optimiser, loss scaler, data position, RNG states);
            averaged checkpoints have none.
@@ -123,12 +124,42 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
     return {"model": model, "config": last["config"], "spm": last["spm"], "meta": meta}
 
 
+def ensemble_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
+    """One checkpoint holding the models of several (fastattn.Ensemble's state_dict, a list of
+    configs), with spm and meta of the first. They must share the SentencePiece model and the
+    truecaser: the ensemble averages distributions over one vocabulary of one text."""
+    if not paths:
+        raise CheckpointError("no checkpoints to ensemble")
+    model: dict[str, torch.Tensor] = {}
+    configs: list[dict[str, Any]] = []
+    first: dict[str, Any] = {}
+    for k, path in enumerate(paths):
+        state = load_checkpoint(path)
+        if isinstance(state["config"], list):
+            raise CheckpointError(f"{path}: is an ensemble itself; give its members instead")
+        first = first or state
+        if state["spm"] != first["spm"]:
+            raise CheckpointError(f"{path}: its SentencePiece model differs from {paths[0]}'s")
+        if state["meta"].get("truecase") != first["meta"].get("truecase"):
+            raise CheckpointError(f"{path}: its truecaser differs from {paths[0]}'s")
+        model.update({f"members.{k}.{name}": t for name, t in state["model"].items()})
+        configs.append(state["config"])
+    meta = {**first["meta"], "members": [str(p) for p in paths]}
+    return {"model": model, "config": configs, "spm": first["spm"], "meta": meta}
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
-    """(model in eval mode, SentencePiece processor, meta) from a checkpoint."""
+    """(model in eval mode, SentencePiece processor, meta) from a checkpoint: a Transformer, or
+    for an ensemble checkpoint a fastattn.Ensemble."""
     from fastattn.data import load_sentencepiece
+    from fastattn.ensemble import Ensemble
     from fastattn.model import Transformer, TransformerConfig
 
     state = load_checkpoint(path)
-    model = Transformer(TransformerConfig(**state["config"]))
+    config = state["config"]
+    if isinstance(config, list):
+        model = Ensemble([Transformer(TransformerConfig(**c)) for c in config])
+    else:
+        model = Transformer(TransformerConfig(**config))
     model.load_state_dict(state["model"])
     return model.to(device).eval(), load_sentencepiece(state["spm"]), state["meta"]

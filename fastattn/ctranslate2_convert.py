@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output dir")
     args = parser.parse_args(argv)
-    model, sp, _ = load_model(args.checkpoint)
+    model, sp, meta = load_model(args.checkpoint)
+    if "members" in meta:  # CTranslate2 models are single Transformers
+        raise SystemExit(f"error: {args.checkpoint} is an ensemble; convert one of its members "
+                         f"({', '.join(meta['members'])})")
     print(convert(model, sp, args.output_dir, args.force))
 
 

@@ -29,6 +29,7 @@ import torch
 
 from fastattn.cli import HelpFormatter
 from fastattn.data import Truecaser
+from fastattn.ensemble import Ensemble
 from fastattn.search import LengthPenalty, greedy_search
 
 
@@ -174,21 +175,22 @@ class Translator:
         """The attention weights (heads, queries, keys) of one layer (0-based) for a sentence:
         "encoder" self-attention over the source pieces (the paper's Figures 3-5) or "cross"
         attention of the target pieces of the best translation over the source pieces.
-        Returns (query pieces, key pieces, weights)."""
+        Returns (query pieces, key pieces, weights). An ensemble shows its first member's."""
         if kind not in ("encoder", "cross"):
             raise ValueError(f"kind must be 'encoder' or 'cross', got {kind!r}")
-        stack = self.model.encoder.layers if kind == "encoder" else self.model.decoder.layers
+        model = self.model.members[0] if isinstance(self.model, Ensemble) else self.model
+        stack = model.encoder.layers if kind == "encoder" else model.decoder.layers
         if not 0 <= layer < len(stack):
             raise ValueError(f"layer must be in [0, {len(stack)}), got {layer}")
         source_ids = self._encode([sentence])[0]
         source = torch.tensor([source_ids], device=self.device)
         if kind == "encoder":
-            module, run, target_ids = stack[layer].self_attention, self.model.encode, source_ids
+            module, run, target_ids = stack[layer].self_attention, model.encode, source_ids
         else:
             best = self._search([source_ids])[0]
             target_ids = (best[0].tokens if best else []) + [self.eos_id]
             target = torch.tensor([[self.bos_id, *target_ids[:-1]]], device=self.device)
-            module, run = stack[layer].cross_attention, lambda s: self.model(s, target)
+            module, run = stack[layer].cross_attention, lambda s: model(s, target)
         # The fused attention op returns no weights: recompute them from the layer's inputs.
         inputs = []
         hook = module.register_forward_pre_hook(lambda _, args: inputs.append(args))
@@ -253,7 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Translate raw sentences from stdin to stdout with a fastattn checkpoint.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint of fastattn.train")
+    parser.add_argument("--checkpoint", required=True,
+                        help="a checkpoint of fastattn.train or fastattn.ensemble")
     parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
     parser.add_argument("--alpha", type=float,
                         help="length penalty exponent α (default: the one fastattn.train chose "

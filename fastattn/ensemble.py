@@ -1,0 +1,109 @@
+"""Ensembles: Transformers sharing one vocabulary that translate together (not in the paper, which
+reports single models). python -m fastattn.ensemble writes one checkpoint holding several.
+
+The ensemble's next-token distribution is the mean of its M members' distributions,
+
+    log p(y | x, y_<t) = log( (1/M) · Σ_m p_m(y | x, y_<t) ) = logsumexp_m log p_m(...) − log M,
+
+and beam search runs over it as over one model. Members that differ only in their seed make
+different errors, so the mean is better than any of them: on Multi30k en→de two members of the
+default recipe gain about 0.9 BLEU over one (README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from fastattn.model import DecodingState, Transformer
+from fastattn.search import Hypothesis, LengthPenalty, beam_search
+
+
+class EnsembleState:
+    """The decoding state of every member; reorder applies to all of them."""
+
+    def __init__(self, states: list[DecodingState]) -> None:
+        self.states = states
+
+    def reorder(self, rows: Tensor) -> None:
+        for state in self.states:
+            state.reorder(rows)
+
+
+class Ensemble(torch.nn.Module):
+    """Transformers with one vocabulary decoding as one model: the decoding interface of
+    Transformer (start_decoding, decode_step, beam_search), so Translator takes either."""
+
+    def __init__(self, members: Sequence[Transformer]) -> None:
+        super().__init__()
+        if not members:
+            raise ValueError("an ensemble needs at least one member")
+        sizes = {m.cfg.vocab_size for m in members}
+        if len(sizes) > 1:
+            raise ValueError(f"ensemble members must share one vocabulary, got sizes {sizes}")
+        self.members = torch.nn.ModuleList(members)
+
+    def start_decoding(self, src: Tensor, capacity: int | None = None) -> EnsembleState:
+        return EnsembleState([m.start_decoding(src, capacity) for m in self.members])
+
+    def decode_step(self, tokens: Tensor, state: EnsembleState) -> Tensor:
+        """tokens (N,) -> log of the members' mean next-token probabilities (N, vocab_size)."""
+        logprobs = [m.decode_step(tokens, s) for m, s in zip(self.members, state.states,
+                                                             strict=True)]
+        if len(logprobs) == 1:
+            return logprobs[0]
+        return torch.logsumexp(torch.stack(logprobs), dim=0) - math.log(len(logprobs))
+
+    @torch.inference_mode()
+    def beam_search(self, src: Tensor, *, beam_size: int = 4, bos_id: int, eos_id: int,
+                    max_len: int | Tensor, alpha: float = 0.6,
+                    length_penalty: LengthPenalty = "gnmt",
+                    nbest: int = 1) -> list[list[Hypothesis]]:
+        """fastattn.beam_search of src (B, S) over decode_step (one member: its own search)."""
+        options = dict(beam_size=beam_size, bos_id=bos_id, eos_id=eos_id, alpha=alpha,
+                       length_penalty=length_penalty, nbest=nbest)
+        if len(self.members) == 1:
+            return self.members[0].beam_search(src, max_len=max_len, **options)
+        if src.shape[0] == 0:
+            return []
+        limits = max_len if isinstance(max_len, Tensor) else torch.full(
+            (src.shape[0],), max_len, dtype=torch.long, device=src.device)
+        state = self.start_decoding(src, capacity=int(limits.max()))
+
+        def step_fn(tokens: Tensor, reorder: Tensor | None) -> Tensor:
+            if reorder is not None:
+                state.reorder(reorder)
+            return self.decode_step(tokens[:, -1], state)
+
+        return beam_search(step_fn, src.shape[0], max_len=limits, **options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from fastattn.checkpoint import CheckpointError, ensemble_checkpoints, save_checkpoint
+    from fastattn.cli import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="python -m fastattn.ensemble", formatter_class=HelpFormatter,
+        description="Write one checkpoint holding several models (for example the final models "
+        "of runs with different --seed) that python -m fastattn.translate then decodes as an "
+        "ensemble: the mean of their next-token distributions. The models must share one "
+        "SentencePiece model and truecaser, as runs on the same training text do.",
+    )
+    parser.add_argument("--inputs", nargs="+", required=True, help="checkpoints of the members")
+    parser.add_argument("--output", required=True, help="where to write the ensemble")
+    args = parser.parse_args(argv)
+    try:
+        save_checkpoint(args.output, ensemble_checkpoints(args.inputs))
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"an ensemble of {len(args.inputs)} models in {args.output}")
+
+
+if __name__ == "__main__":
+    main()
