@@ -35,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastattn import checkpoint, data, evaluate
 from fastattn.cli import HelpFormatter
+from fastattn.ensemble import Ensemble
 from fastattn.model import PRESETS, Transformer, TransformerConfig
 from fastattn.translate import Translator
 
@@ -53,6 +54,7 @@ PAPER = {
     "max_updates": "100000 (base), 300000 (big)",
     "average_last": "5 (base), 20 (big)",
     "precision": "fp32 (P100 GPUs)",
+    "members": "1 (single models)",
 }
 
 
@@ -190,6 +192,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="dropout on the attention weights (default: the preset's; not in the paper)")
     add(g, "--activation-dropout", type=float,
         help="dropout after the feed-forward ReLU (default: the preset's; not in the paper)")
+    add(g, "--members", type=int, default=2, metavar="N",
+        help="train N models that differ only in their seed (SEED, SEED+1, ...), one after "
+        "another, each a full run of its own in SAVE_DIR/member<k>, and translate with their "
+        "ensemble, the mean of their next-token distributions (not in the paper), saved as "
+        "SAVE_DIR/checkpoint_final.pt")
 
     g = parser.add_argument_group("optimisation")
     add(g, "--lr-scale", type=float, default=2.5, help="multiplies the paper's schedule")
@@ -286,8 +293,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"multi30k languages are {', '.join(data.MULTI30K_LANGS)}")
     if args.src == args.tgt:
         parser.error("--src and --tgt must differ")
-    positive = ["vocab_size", "max_len", "max_tokens", "warmup", "update_freq", "max_updates",
-                "beam", "eval_batch_tokens", "log_every", "average_last", "max_bad_steps", "keep"]
+    positive = ["members", "vocab_size", "max_len", "max_tokens", "warmup", "update_freq",
+                "max_updates", "beam", "eval_batch_tokens", "log_every", "average_last",
+                "max_bad_steps", "keep"]
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -433,8 +441,8 @@ class LossModule(torch.nn.Module):
 # --- decoding and BLEU -------------------------------------------------------------------------
 
 
-def translate(model: Transformer, sp, sentences: Sequence[str], *, beam: int, alpha: float,
-              max_len_b: int, batch_tokens: int,
+def translate(model: Transformer | Ensemble, sp, sentences: Sequence[str], *, beam: int,
+              alpha: float, max_len_b: int, batch_tokens: int,
               truecaser: data.Truecaser | None = None) -> list[str]:
     """Detokenized translations (fastattn.Translator; beam 1 is greedy search)."""
     was_training = model.training
@@ -495,7 +503,7 @@ class Run:
             args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("error: --device cuda but torch sees no GPU")
-        if self.distributed:
+        if self.distributed and not dist.is_initialized():  # ensemble members share the group
             if args.device == "cuda":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
@@ -804,10 +812,11 @@ class Run:
         path.write_text("".join(line for line in lines
                                 if line.endswith("\n") and json.loads(line)["step"] <= step))
 
-    def write_metrics(self, record: dict[str, Any]) -> None:
+    def write_metrics(self, record: dict[str, Any], path: Path | None = None) -> None:
+        """Appends a record to the metrics log (rank 0), or to `path`."""
         if not self.main:
             return
-        path = Path(self.args.metrics)
+        path = path or Path(self.args.metrics)
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -836,18 +845,27 @@ class Run:
             dist.barrier()
 
     def finish(self) -> None:
-        """Averages the last checkpoints, chooses the length penalty on dev and reports test BLEU
-        (beam search) on rank 0."""
+        """Averages the last checkpoints into the final model and scores it (rank 0)."""
         if not self.main:
             return
         args = self.args
         paths = checkpoint.list_checkpoints(args.save_dir)[-args.average_last:]
-        final = Path(args.save_dir) / "checkpoint_final.pt"
-        state = checkpoint.average_checkpoints(paths)
+        self.score_final(checkpoint.average_checkpoints(paths), Path(args.save_dir),
+                         Path(args.metrics), f"averaged the last {len(paths)} checkpoints")
+        if args.plot:
+            plot_metrics([args.metrics], args.plot)
+            self.log(f"training curves: {args.plot}")
+
+    def score_final(self, state: dict[str, Any], save_dir: Path, metrics: Path,
+                    made: str) -> None:
+        """Saves a final model as save_dir/checkpoint_final.pt, chooses its length penalty on dev
+        (stored in the checkpoint for translate) and reports its test BLEU under beam search."""
+        args = self.args
+        final = save_dir / "checkpoint_final.pt"
         checkpoint.save_checkpoint(final, state)
-        self.log(f"averaged the last {len(paths)} checkpoints into {final}")
+        self.log(f"{made} into {final}")
         model, sp, _ = checkpoint.load_model(final, self.device)
-        alpha = self.choose_alpha(model, sp)
+        alpha = self.choose_alpha(model, sp, metrics)
         state["meta"]["alpha"] = alpha
         checkpoint.save_checkpoint(final, state)
         name = "test" if "test" in self.splits else "valid"
@@ -857,23 +875,20 @@ class Run:
                          max_len_b=args.max_len_b, batch_tokens=args.eval_batch_tokens,
                          truecaser=self.source_truecaser)
         scores = bleu_scores(hyps, split, args.tgt)
-        output = Path(args.save_dir) / f"{name}.hyp.{args.tgt}"
+        output = save_dir / f"{name}.hyp.{args.tgt}"
         output.write_text("\n".join(hyps) + "\n", encoding="utf-8")
         self.write_metrics({"step": self.step, f"{name}_bleu": scores["bleu"],
                             f"{name}_tok_bleu": scores["tok_bleu"], "alpha": alpha,
-                            "signature": scores["signature"], "time": time.time()})
-        if args.plot:
-            plot_metrics(self.args.metrics, args.plot)
-            self.log(f"training curves: {args.plot}")
+                            "signature": scores["signature"], "time": time.time()}, metrics)
         tokenized = "official tokenized references" if split.tokenized_refs is not None \
             else "Moses tokenization with compound splitting"
         print(f"{name} ({len(hyps)} sentences, beam {args.beam}, alpha {alpha}, "
               f"{time.time() - started:.0f}s), translations in {output}")
         print(f"{name} BLEU {scores['bleu']:.2f}  {scores['signature']}")
         print(f"{name} tokenized BLEU {scores['tok_bleu']:.2f}  (lowercased, {tokenized})")
-        print(f"checkpoint: {final}")
+        print(f"checkpoint: {final}", flush=True)
 
-    def choose_alpha(self, model: Transformer, sp) -> float:
+    def choose_alpha(self, model: Transformer | Ensemble, sp, metrics: Path) -> float:
         """The --alpha with the best tokenized dev BLEU under beam search (the paper chose its
         length penalty on dev): some models write too short translations at the paper's 0.6."""
         alphas = self.args.alpha
@@ -888,14 +903,15 @@ class Run:
             found[alpha] = bleu_scores(hyps, dev, self.args.tgt)["tok_bleu"]
         best = max(alphas, key=found.__getitem__)  # ties: the first given
         self.write_metrics({"step": self.step, "alpha_dev_tok_bleu": found, "alpha": best,
-                            "time": time.time()})
+                            "time": time.time()}, metrics)
         self.log("beam dev tokenized BLEU by alpha: "
                  + ", ".join(f"{a} {b:.2f}" for a, b in found.items()) + f"; alpha {best}")
         return best
 
 
-def plot_metrics(metrics: str | Path, png: str | Path) -> None:
-    """Training loss, learning rate and dev BLEU against updates, from a metrics log."""
+def plot_metrics(metrics: Sequence[str | Path], png: str | Path) -> None:
+    """Training loss, learning rate and dev BLEU against updates, from the metrics logs of a run
+    or of the members of an ensemble."""
     try:
         import matplotlib
 
@@ -905,32 +921,71 @@ def plot_metrics(metrics: str | Path, png: str | Path) -> None:
         print("--plot needs matplotlib (pip install matplotlib); no plot written",
               file=sys.stderr)
         return
-    records = [json.loads(line) for line in Path(metrics).read_text().splitlines()]
-    train = [r for r in records if "loss" in r]
-    dev = [r for r in records if "dev_bleu" in r]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
-    axes[0].plot([r["step"] for r in dev], [r["dev_loss"] for r in dev], "o-", label="dev")
+    for k, log in enumerate(metrics):
+        records = [json.loads(line) for line in Path(log).read_text().splitlines()]
+        train = [r for r in records if "loss" in r]
+        dev = [r for r in records if "dev_bleu" in r]
+        who = f"member {k + 1} " if len(metrics) > 1 else ""
+        steps = [r["step"] for r in dev]
+        axes[0].plot([r["step"] for r in train], [r["loss"] for r in train], label=f"{who}train")
+        axes[0].plot(steps, [r["dev_loss"] for r in dev], "o-", label=f"{who}dev")
+        axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
+        axes[2].plot(steps, [r["dev_bleu"] for r in dev], "o-", label=f"{who}sacreBLEU")
+        axes[2].plot(steps, [r["dev_tok_bleu"] for r in dev], "o-", label=f"{who}tokenized")
     axes[0].set(xlabel="update", ylabel="label-smoothed loss per token")
-    axes[0].legend()
-    axes[1].plot([r["step"] for r in train], [r["lr"] for r in train])
     axes[1].set(xlabel="update", ylabel="learning rate")
-    axes[2].plot([r["step"] for r in dev], [r["dev_bleu"] for r in dev], "o-", label="sacreBLEU")
-    axes[2].plot([r["step"] for r in dev], [r["dev_tok_bleu"] for r in dev], "o-",
-                 label="tokenized")
     axes[2].set(xlabel="update", ylabel="greedy dev BLEU")
+    axes[0].legend()
     axes[2].legend()
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
 
 
+def member_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
+    """The arguments of ensemble member k (0-based): its own seed, directory and metrics log."""
+    member = argparse.Namespace(**vars(args))
+    member.seed = args.seed + k
+    member.save_dir = str(Path(args.save_dir) / f"member{k + 1}")
+    member.metrics = str(Path(member.save_dir) / "metrics.jsonl")
+    member.plot = None
+    return member
+
+
+def train_ensemble(args: argparse.Namespace) -> Run:
+    """--members N > 1: N runs one after another (each resumable on its own with --resume), then
+    their final models as one ensemble checkpoint, scored like a final model."""
+    members = [member_args(args, k) for k in range(args.members)]
+    for k, member in enumerate(members):
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"ensemble member {k + 1} of {args.members}: seed {member.seed}, "
+                  f"{member.save_dir}", flush=True)
+        run = Run(member)
+        run.train()
+        run.finish()
+        if k + 1 < len(members):
+            del run
+            gc.collect()
+    if run.main:
+        finals = [Path(m.save_dir) / "checkpoint_final.pt" for m in members]
+        run.score_final(checkpoint.ensemble_checkpoints(finals), Path(args.save_dir),
+                        Path(args.metrics), f"an ensemble of the {len(finals)} members' models")
+        if args.plot:
+            plot_metrics([m.metrics for m in members], args.plot)
+            run.log(f"training curves: {args.plot}")
+    return run
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        run = Run(args)
-        run.train()
-        run.finish()
+        if args.members > 1:
+            run = train_ensemble(args)
+        else:
+            run = Run(args)
+            run.train()
+            run.finish()
         # Free DDP's reducer while the process group is still registered: were it the last
         # owner, its gloo destructor would join worker threads that wait for the GIL it holds.
         del run

@@ -99,7 +99,7 @@ def free_port() -> int:
 
 
 @pytest.mark.slow
-def test_torchrun_trains_end_to_end(tmp_path):
+def test_torchrun_trains_an_ensemble_end_to_end(tmp_path):
     train = data.load_multi30k("train", "en", "de")
     paths = []
     for name, rows in [("train", slice(0, 100)), ("valid", slice(100, 106))]:
@@ -114,15 +114,18 @@ def test_torchrun_trains_end_to_end(tmp_path):
         "--preset", "tiny", "--vocab-size", "150", "--max-tokens", "300", "--precision",
         "fp32", "--threads", "1", "--max-updates", "4", "--save-every", "2", "--eval-every", "0",
         "--log-every", "1", "--no-progress", "--average-last", "2", "--keep", "2", "--beam", "2",
-        "--max-len-b", "3", "--save-dir", str(save_dir),
+        "--max-len-b", "3", "--members", "2", "--save-dir", str(save_dir),
     ]
     # The PyTorch ops: this tests the launch, sharding and saving, not the kernels (see
     # tests/test_train.py on why the training subprocesses do not run Triton's interpreter).
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "FASTATTN_BACKEND": "torch"})
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("checkpoint: ") == 1  # only rank 0 reports
-    state = checkpoint.load_checkpoint(save_dir / "checkpoint_00000004.pt")
-    assert state["train"]["world_size"] == 2 and len(state["train"]["rng"]) == 2
-    records = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    # Only rank 0 reports: the two members' final models, then their ensemble's.
+    assert result.stdout.count("checkpoint: ") == 3
+    for member in ("member1", "member2"):  # one process group serves both members
+        state = checkpoint.load_checkpoint(save_dir / member / "checkpoint_00000004.pt")
+        assert state["train"]["world_size"] == 2 and len(state["train"]["rng"]) == 2
+        log = (save_dir / member / "metrics.jsonl").read_text().splitlines()
+        assert [r["step"] for r in map(json.loads, log) if "loss" in r] == [1, 2, 3, 4]
+    assert isinstance(checkpoint.load_checkpoint(save_dir / "checkpoint_final.pt")["config"], list)

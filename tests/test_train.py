@@ -174,6 +174,7 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--rdrop", "-1"], "--rdrop must not be negative"),
         (["--bidirectional", "-1"], "--bidirectional must not be negative"),
         (["--d-model", "0"], "--d-model must be at least 1"),
+        (["--members", "0"], "--members must be at least 1"),
         (["--preset", "huge"], "invalid choice"),
         (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
         (["--warmup", "many"], "invalid int value"),
@@ -234,7 +235,7 @@ def train_command(paths, save_dir, *extra):
         "--valid", str(paths["valid", "en"]), str(paths["valid", "de"]),
         "--preset", "tiny", "--vocab-size", "200", "--max-tokens", "300", "--precision", "fp32",
         "--threads", "1", "--eval-every", "0", "--log-every", "1", "--no-progress",
-        "--average-last", "2", "--keep", "2", "--beam", "2", "--max-len-b", "3",
+        "--average-last", "2", "--keep", "2", "--beam", "2", "--max-len-b", "3", "--members", "1",
         "--save-dir", str(save_dir), *map(str, extra),
     ]
 
@@ -401,12 +402,14 @@ def test_choose_alpha_keeps_the_best_dev_bleu_and_the_first_of_ties(monkeypatch)
     records = []
     run = SimpleNamespace(
         args=parse_args(["--alpha", "0.6,1.0,1.5,2.0"]), splits={"valid": SimpleNamespace(
-            text=SimpleNamespace(src=["a"]))}, step=7, write_metrics=records.append,
-        log=lambda message: None, source_truecaser=None)
-    assert train_module.Run.choose_alpha(run, model=None, sp=None) == 1.5
+            text=SimpleNamespace(src=["a"]))}, step=7,
+        write_metrics=lambda record, path: records.append(record), log=lambda message: None,
+        source_truecaser=None)
+    assert train_module.Run.choose_alpha(run, model=None, sp=None, metrics=None) == 1.5
     assert records[0]["alpha"] == 1.5 and records[0]["alpha_dev_tok_bleu"] == dev_bleu
     run.args = parse_args(["--alpha", "2"])  # one value: no decoding
-    assert train_module.Run.choose_alpha(run, model=None, sp=None) == 2.0 and len(records) == 1
+    assert train_module.Run.choose_alpha(run, model=None, sp=None, metrics=None) == 2.0
+    assert len(records) == 1
 
 
 @pytest.mark.slow
@@ -423,6 +426,46 @@ def test_the_final_model_and_test_decoding_use_the_chosen_alpha(tmp_path):
     assert f"alpha {choice['alpha']}," in result.stdout  # the test set was decoded with it
     final = tmp_path / "run" / "checkpoint_final.pt"
     assert checkpoint.load_checkpoint(final)["meta"]["alpha"] == choice["alpha"]
+
+
+@pytest.mark.slow
+def test_members_train_one_after_another_and_the_final_model_is_their_ensemble(tmp_path):
+    paths = corpus(tmp_path, lines=60)
+    run_dir = tmp_path / "run"
+    command = train_command(paths, run_dir, "--members", 2, "--seed", 5, "--max-updates", 4,
+                            "--save-every", 2)
+    first = subprocess.run(command, capture_output=True, text=True, timeout=600, env=TORCH_OPS)
+    assert first.returncode == 0, first.stderr
+    reports = [line for line in first.stdout.splitlines() if line.startswith("checkpoint: ")]
+    assert reports == [f"checkpoint: {run_dir / 'member1' / 'checkpoint_final.pt'}",
+                       f"checkpoint: {run_dir / 'member2' / 'checkpoint_final.pt'}",
+                       f"checkpoint: {run_dir / 'checkpoint_final.pt'}"]
+    finals = [checkpoint.load_checkpoint(run_dir / f"member{k}" / "checkpoint_final.pt")
+              for k in (1, 2)]
+    assert [f["meta"]["args"]["seed"] for f in finals] == [5, 6]
+    assert not torch.equal(finals[0]["model"]["embedding.weight"],
+                           finals[1]["model"]["embedding.weight"])
+    ensemble = checkpoint.load_checkpoint(run_dir / "checkpoint_final.pt")
+    assert ensemble["config"] == [f["config"] for f in finals]
+    for k, final in enumerate(finals):
+        for name, tensor in final["model"].items():
+            assert torch.equal(ensemble["model"][f"members.{k}.{name}"], tensor), name
+    for k in (1, 2):
+        assert sorted(losses(run_dir / f"member{k}" / "metrics.jsonl")) == [1, 2, 3, 4]
+    [score] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert f"valid tokenized BLEU {score['valid_tok_bleu']:.2f}" in first.stdout.splitlines()[-2]
+
+    # A run killed in its second member: --resume keeps the first and trains the second again.
+    (run_dir / "member2" / "checkpoint_final.pt").unlink()
+    for path in checkpoint.list_checkpoints(run_dir / "member2"):
+        path.unlink()
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True,
+                             timeout=600, env=TORCH_OPS)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {run_dir / 'member1' / 'checkpoint_00000004.pt'}" in resumed.stdout
+    again = checkpoint.load_checkpoint(run_dir / "checkpoint_final.pt")
+    for name, tensor in ensemble["model"].items():
+        assert torch.equal(again["model"][name], tensor), name
 
 
 def run_cli(*argv):
