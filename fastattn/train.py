@@ -213,7 +213,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="micro-batches accumulated per update (the paper's ~50k tokens per update on one "
         "GPU: --max-tokens 6250 --update-freq 8)")
     add(g, "--clip-norm", type=float, default=0.0, help="clip the gradient norm (0: off)")
-    add(g, "--max-updates", type=int, default=10000, help="stop after this many updates")
+    add(g, "--max-updates", type=int, default=8000,
+        help="stop after this many updates (each member, with --members)")
     add(g, "--max-epochs", type=int, default=0, help="stop after this many epochs (0: no limit)")
     add(g, "--max-bad-steps", type=int, default=10,
         help="stop after this many consecutive updates with NaN/inf gradients")
