@@ -132,6 +132,18 @@ def test_ensemble_checkpoint_loads_as_its_members(tmp_path, spm_proto):
                                first.attention("A dog runs.", 1)[2])
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_translator_with_an_ensemble_of_copies_translates_like_the_model(spm_proto, beam):
+    sp = data.load_sentencepiece(spm_proto)
+    sentences = ["A dog runs on the beach.", "", "Two men are playing football in a park."]
+    alone = Translator(member(1), sp, beam_size=beam, max_len_b=6).stream(sentences)
+    pair = Translator(Ensemble([member(1), member(1)]), sp, beam_size=beam,
+                      max_len_b=6).stream(sentences)
+    for got, expected in zip(pair, alone, strict=True):
+        assert [h.tokens for h in got] == [h.tokens for h in expected]
+        assert [h.score for h in got] == pytest.approx([h.score for h in expected], rel=1e-5)
+
+
 def test_ensemble_checkpoints_refuse_members_of_another_text(tmp_path, spm_proto):
     a = save_member(tmp_path / "a.pt", member(1), spm_proto)
     other = data.train_sentencepiece(["other words entirely here"] * 50, vocab_size=40)
