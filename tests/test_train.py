@@ -433,7 +433,7 @@ def test_members_train_one_after_another_and_the_final_model_is_their_ensemble(t
     paths = corpus(tmp_path, lines=60)
     run_dir = tmp_path / "run"
     command = train_command(paths, run_dir, "--members", 2, "--seed", 5, "--max-updates", 4,
-                            "--save-every", 2)
+                            "--save-every", 2, "--plot", tmp_path / "curves.png")
     first = subprocess.run(command, capture_output=True, text=True, timeout=600, env=TORCH_OPS)
     assert first.returncode == 0, first.stderr
     reports = [line for line in first.stdout.splitlines() if line.startswith("checkpoint: ")]
@@ -453,7 +453,10 @@ def test_members_train_one_after_another_and_the_final_model_is_their_ensemble(t
     for k in (1, 2):
         assert sorted(losses(run_dir / f"member{k}" / "metrics.jsonl")) == [1, 2, 3, 4]
     [score] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert f"valid tokenized BLEU {score['valid_tok_bleu']:.2f}" in first.stdout.splitlines()[-2]
+    lines = first.stdout.splitlines()
+    ensemble_score = lines[lines.index(reports[-1]) - 1]
+    assert f"valid tokenized BLEU {score['valid_tok_bleu']:.2f}" in ensemble_score
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # both members
 
     # A run killed in its second member: --resume keeps the first and trains the second again.
     (run_dir / "member2" / "checkpoint_final.pt").unlink()
