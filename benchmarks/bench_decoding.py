@@ -4,17 +4,21 @@ search in one native call) against CTranslate2 float32 (the converted model,
 fastattn.ctranslate2_convert) and against a plain PyTorch beam search that re-runs the decoder on
 the whole prefix every step (no cache) and keeps finished sentences in the batch; batch 64 and
 batch 1 on Multi30k test2016 sources, with the share of sentences whose greedy and beam outputs
-are the same in CTranslate2 as in fastattn. Also the per-step bookkeeping of native against
+are the same in CTranslate2 as in fastattn. Also an ensemble of two such models
+(fastattn.Ensemble, what `./run train` makes), and the per-step bookkeeping of native against
 python.
 
 The model: FASTATTN_BENCH_CHECKPOINT if set, else the default run's final checkpoint
 (checkpoints/multi30k-en-de/checkpoint_final.pt, from `./run train`) if present, else a random
 model of the same shape (`multi30k` preset, 8000 pieces; outputs then run to max_len: the
-throughput is comparable, the translations meaningless). Ratios come from one run.
+throughput is comparable, the translations meaningless). An ensemble checkpoint gives its first
+member as the model and its first two as the ensemble; otherwise the ensemble is the model twice.
+Ratios come from one run.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import tempfile
 from pathlib import Path
@@ -24,6 +28,7 @@ import torch
 
 from benchmarks.common import CORES, QUICK, measure
 from fastattn import data
+from fastattn.ensemble import Ensemble
 from fastattn.search import beam_search_step_python
 
 BEAM, ALPHA, MAX_LEN = 4, 0.6, 40
@@ -35,24 +40,28 @@ DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / \
 
 
 def load():
-    """(model, SentencePiece model, what the model is)."""
+    """(model, ensemble of two, SentencePiece model, what the model is)."""
     path = os.environ.get("FASTATTN_BENCH_CHECKPOINT") or (
         DEFAULT_CHECKPOINT if DEFAULT_CHECKPOINT.exists() else None)
     if path:
         from fastattn.checkpoint import load_model
 
         model, sp, _ = load_model(path)
-        return model.eval(), sp, f"trained ({Path(path).name})"
+        kind = f"trained ({Path(path).name})"
+        if isinstance(model, Ensemble):
+            first, second = model.members[:2]
+            return first, Ensemble([first, second]).eval(), sp, f"{kind}, its first member"
+        return model.eval(), Ensemble([model, copy.deepcopy(model)]).eval(), sp, kind
     from fastattn.model import Transformer
 
     text = data.load_multi30k("train", "en", "de")
     sp = data.load_sentencepiece(data.train_sentencepiece(list(text.src) + list(text.tgt), 8000))
     torch.manual_seed(0)
     model = Transformer.from_preset("multi30k", vocab_size=8000, dropout=0.0).eval()
-    return model, sp, "random (untrained)"
+    return model, Ensemble([model, copy.deepcopy(model)]).eval(), sp, "random (untrained)"
 
 
-MODEL, SP, MODEL_KIND = load()
+MODEL, ENSEMBLE, SP, MODEL_KIND = load()
 SOURCES = [SP.encode(s) + [SP.eos_id()] for s in data.load_multi30k("test2016", "en", "de").src]
 
 
@@ -63,11 +72,16 @@ def padded(batch):
     return source
 
 
-def fastattn_decode(batch, beam=BEAM):
-    """The product's path (fastattn.Translator's): Transformer.beam_search, one native call."""
-    return MODEL.beam_search(padded(batch), beam_size=beam, bos_id=SP.bos_id(),
+def fastattn_decode(batch, beam=BEAM, model=MODEL):
+    """The product's path (fastattn.Translator's): Transformer.beam_search, one native call
+    (an Ensemble's: fastattn.beam_search over its members' cached decoder steps)."""
+    return model.beam_search(padded(batch), beam_size=beam, bos_id=SP.bos_id(),
                              eos_id=SP.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
                              length_penalty="pow")
+
+
+def ensemble_decode(batch, beam=BEAM):
+    return fastattn_decode(batch, beam, ENSEMBLE)
 
 
 @torch.inference_mode()
@@ -134,8 +148,8 @@ def same_outputs(ctranslate2_decode, sources, beam):
     return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(sources)
 
 
-SYSTEMS = {"fastattn": lambda: fastattn_decode, "pytorch-plain": lambda: plain_decode,
-           "ctranslate2-float32": ctranslate2_decoder}
+SYSTEMS = {"fastattn": lambda: fastattn_decode, "fastattn-ensemble-of-2": lambda: ensemble_decode,
+           "pytorch-plain": lambda: plain_decode, "ctranslate2-float32": ctranslate2_decoder}
 
 
 @pytest.fixture
