@@ -174,6 +174,10 @@ def test_command_line_builds_an_ensemble_that_translate_reads(tmp_path, spm_prot
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == expected
 
+    result = run_module("fastattn.ctranslate2_convert", "--checkpoint", tmp_path / "e.pt",
+                        "--output-dir", tmp_path / "ct2")  # CTranslate2 has no ensembles
+    assert result.returncode == 1 and "is an ensemble; convert one of its members" in result.stderr
+
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(paths[0].read_bytes()[:500])
     result = run_module("fastattn.ensemble", "--inputs", paths[0], damaged,
