@@ -2,8 +2,8 @@
 end, on one CPU or on many GPUs with torchrun.
 
 With no arguments it trains the default CPU preset on the embedded Multi30k en->de twice, with
-seeds 1 and 2 (`--members 2`), and ends by printing the test BLEU of the two models' ensemble and
-its checkpoint path. Scale out with
+seeds 1 and 2 (`--members 2`; on a CPU the two train side by side, one process each), and ends
+by printing the test BLEU of the two models' ensemble and its checkpoint path. Scale out with
 `torchrun --nproc_per_node N -m fastattn.train ...` (DistributedDataParallel: NCCL on GPUs, gloo
 on CPUs; each rank reads its own shard of the batches, rank 0 logs and saves).
 
@@ -194,10 +194,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--activation-dropout", type=float,
         help="dropout after the feed-forward ReLU (default: the preset's; not in the paper)")
     add(g, "--members", type=int, default=2, metavar="N",
-        help="train N models that differ only in their seed (SEED, SEED+1, ...), one after "
-        "another, each a full run of its own in SAVE_DIR/member<k>, and translate with their "
-        "ensemble, the mean of their next-token distributions (not in the paper), saved as "
+        help="train N models that differ only in their seed (SEED, SEED+1, ...), each a full "
+        "run of its own in SAVE_DIR/member<k>, and translate with their ensemble, the mean of "
+        "their next-token distributions (not in the paper), saved as "
         "SAVE_DIR/checkpoint_final.pt")
+    add(g, "--jobs", type=int, default=0, metavar="J",
+        help="ensemble members trained at once on a CPU, each in a process of its own with "
+        "--threads threads (default: the CPU threads shared among them); 0: as many as the "
+        "members and CPU threads allow; 1: one after another (always so on GPUs and under "
+        "torchrun)")
 
     g = parser.add_argument_group("optimisation")
     add(g, "--lr-scale", type=float, default=2.5, help="multiplies the paper's schedule")
@@ -302,7 +307,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ["save_every", "eval_every", "max_epochs", "threads", "clip_norm", "rdrop",
+    for name in ["save_every", "eval_every", "max_epochs", "threads", "jobs", "clip_norm", "rdrop",
                  "save_every_minutes", "max_len_b", "bidirectional"]:
         if getattr(args, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
@@ -496,10 +501,12 @@ def new_window() -> dict[str, float]:
 
 
 class Run:
-    """A training run: its data, model, optimiser, position, logging and checkpoints."""
+    """A training run: its data, model, optimiser, position, logging and checkpoints. `name`
+    prefixes its log lines and `bar_row` places its progress bar, for runs side by side."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, name: str = "", bar_row: int = 0) -> None:
         self.args = args
+        self.name, self.bar_row = name, bar_row
         self.bar = None
         self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
         if args.device == "auto":
@@ -636,6 +643,8 @@ class Run:
         self.last_save = time.time()
 
     def log(self, message: str) -> None:
+        if self.name:
+            message = f"{self.name}: {message}"
         if self.main:
             if self.bar is not None:
                 self.bar.write(message)  # above the progress bar, not through it
@@ -747,7 +756,7 @@ class Run:
             from tqdm import tqdm
 
             self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
-                            dynamic_ncols=True)
+                            dynamic_ncols=True, desc=self.name or None, position=self.bar_row)
         self.model.train()
         window = new_window()
         updates = self.updates()
@@ -885,11 +894,11 @@ class Run:
                             "signature": scores["signature"], "time": time.time()}, metrics)
         tokenized = "official tokenized references" if split.tokenized_refs is not None \
             else "Moses tokenization with compound splitting"
-        print(f"{name} ({len(hyps)} sentences, beam {args.beam}, alpha {alpha}, "
-              f"{time.time() - started:.0f}s), translations in {output}")
-        print(f"{name} BLEU {scores['bleu']:.2f}  {scores['signature']}")
-        print(f"{name} tokenized BLEU {scores['tok_bleu']:.2f}  (lowercased, {tokenized})")
-        print(f"checkpoint: {final}", flush=True)
+        self.log(f"{name} ({len(hyps)} sentences, beam {args.beam}, alpha {alpha}, "
+                 f"{time.time() - started:.0f}s), translations in {output}")
+        self.log(f"{name} BLEU {scores['bleu']:.2f}  {scores['signature']}")
+        self.log(f"{name} tokenized BLEU {scores['tok_bleu']:.2f}  (lowercased, {tokenized})")
+        self.log(f"checkpoint: {final}")
 
     def choose_alpha(self, model: Transformer | Ensemble, sp, metrics: Path) -> float:
         """The --alpha with the best tokenized dev BLEU under beam search (the paper chose its
@@ -956,21 +965,106 @@ def member_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
     return member
 
 
-def train_ensemble(args: argparse.Namespace) -> Run:
-    """--members N > 1: N runs one after another (each resumable on its own with --resume), then
-    their final models as one ensemble checkpoint, scored like a final model."""
-    members = [member_args(args, k) for k in range(args.members)]
-    for k, member in enumerate(members):
+def member_jobs(args: argparse.Namespace) -> int:
+    """How many ensemble members train at once, each in a process of its own: only on a CPU
+    outside torchrun, where two single-thread processes outrun one two-thread process (small
+    ops leave cores idle that the other process fills)."""
+    device = args.device if args.device != "auto" else \
+        "cuda" if torch.cuda.is_available() else "cpu"
+    alone_on_cpu = device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    if args.jobs == 0:
+        return min(args.members, torch.get_num_threads()) if alone_on_cpu else 1
+    if args.jobs > 1 and not alone_on_cpu:
+        raise SystemExit("error: --jobs > 1 trains members side by side on a CPU, in one "
+                         "process each; not on a GPU or under torchrun")
+    return min(args.jobs, args.members)
+
+
+def train_members(members: Sequence[argparse.Namespace], job: int, jobs: int) -> Run:
+    """Trains members job, job + jobs, job + 2·jobs, ... of the ensemble one after another, each
+    resumable on its own with --resume; returns the last one's Run."""
+    for k in range(job, len(members), jobs):
+        member = members[k]
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"ensemble member {k + 1} of {args.members}: seed {member.seed}, "
+            print(f"ensemble member {k + 1} of {len(members)}: seed {member.seed}, "
                   f"{member.save_dir}", flush=True)
-        run = Run(member)
+        run = Run(member, name=f"member {k + 1}" if jobs > 1 else "", bar_row=job)
         run.train()
         run.finish()
-        if k + 1 < len(members):
+        if k + jobs < len(members):
             del run
             gc.collect()
+    return run
+
+
+def _member_job(members: Sequence[argparse.Namespace], job: int, jobs: int, parent: int,
+                bar_lock) -> None:
+    """A child process's share of the members. It ends when the run's process does, however that
+    ends (Linux: SIGTERM on the parent's death, even by SIGKILL); checkpoints are atomic."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        sys.exit(1)
+    if bar_lock is not None:
+        from tqdm import tqdm
+
+        tqdm.set_lock(bar_lock)
+    try:
+        train_members(members, job, jobs)
+    except (data.DataError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def train_ensemble(args: argparse.Namespace) -> Run:
+    """--members N > 1: N runs, --jobs of them at a time in processes of their own (this one and
+    children), then their final models as one ensemble checkpoint, scored like a final model."""
+    members = [member_args(args, k) for k in range(args.members)]
+    jobs = member_jobs(args)
+    threads = torch.get_num_threads()
+    if jobs > 1:
+        import multiprocessing
+
+        for member in members:
+            member.threads = args.threads or max(1, threads // jobs)
+        spawn = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools
+        bar_lock = None
+        if not args.no_progress:  # bars of several processes, each on its own row
+            from tqdm import tqdm
+
+            bar_lock = spawn.RLock()
+            tqdm.set_lock(bar_lock)
+        children = [spawn.Process(target=_member_job, name=f"fastattn member job {j + 1}",
+                                  args=(members, j, jobs, os.getpid(), bar_lock))
+                    for j in range(1, jobs)]
+        for child in children:
+            child.start()
+    else:
+        children = []
+    try:
+        run = train_members(members, 0, jobs)
+        for child in children:
+            child.join()
+    finally:  # this process failed: stop the others (their checkpoints stay)
+        for child in children:
+            if child.is_alive():
+                child.terminate()
+                child.join()
+    failed = [k + 1 for j, child in enumerate(children, 1) if child.exitcode != 0
+              for k in range(j, len(members), jobs)]
+    if failed:
+        raise SystemExit(f"error: ensemble member{'s' * (len(failed) > 1)} "
+                         f"{', '.join(map(str, failed))} stopped before finishing (the error is "
+                         "above); --resume continues from the last checkpoints")
     if run.main:
+        torch.set_num_threads(args.threads or threads)  # the ensemble's search: every thread
+        run.name = ""  # the ensemble's lines are the run's own
         finals = [Path(m.save_dir) / "checkpoint_final.pt" for m in members]
         run.score_final(checkpoint.ensemble_checkpoints(finals), Path(args.save_dir),
                         Path(args.metrics), f"an ensemble of the {len(finals)} members' models")
