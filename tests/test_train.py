@@ -175,6 +175,7 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--bidirectional", "-1"], "--bidirectional must not be negative"),
         (["--d-model", "0"], "--d-model must be at least 1"),
         (["--members", "0"], "--members must be at least 1"),
+        (["--jobs", "-1"], "--jobs must not be negative"),
         (["--preset", "huge"], "invalid choice"),
         (["--keep", "3", "--average-last", "5"], "--keep 3 must be at least --average-last 5"),
         (["--warmup", "many"], "invalid int value"),
@@ -429,17 +430,20 @@ def test_the_final_model_and_test_decoding_use_the_chosen_alpha(tmp_path):
 
 
 @pytest.mark.slow
-def test_members_train_one_after_another_and_the_final_model_is_their_ensemble(tmp_path):
+def test_members_train_side_by_side_or_in_turn_and_the_final_model_is_their_ensemble(tmp_path):
     paths = corpus(tmp_path, lines=60)
     run_dir = tmp_path / "run"
-    command = train_command(paths, run_dir, "--members", 2, "--seed", 5, "--max-updates", 4,
-                            "--save-every", 2, "--plot", tmp_path / "curves.png")
-    first = subprocess.run(command, capture_output=True, text=True, timeout=600, env=TORCH_OPS)
+    flags = ["--members", 2, "--seed", 5, "--max-updates", 4, "--save-every", 2]
+    command = train_command(paths, run_dir, *flags, "--plot", tmp_path / "curves.png")
+    first = subprocess.run([*command, "--jobs", "2"], capture_output=True, text=True, timeout=600,
+                           env=TORCH_OPS)
     assert first.returncode == 0, first.stderr
-    reports = [line for line in first.stdout.splitlines() if line.startswith("checkpoint: ")]
-    assert reports == [f"checkpoint: {run_dir / 'member1' / 'checkpoint_final.pt'}",
-                       f"checkpoint: {run_dir / 'member2' / 'checkpoint_final.pt'}",
-                       f"checkpoint: {run_dir / 'checkpoint_final.pt'}"]
+    reports = [line for line in first.stdout.splitlines() if "checkpoint: " in line]
+    # Side by side, the members' lines interleave, each named; the ensemble's come last.
+    assert sorted(reports[:2]) == [
+        f"member 1: checkpoint: {run_dir / 'member1' / 'checkpoint_final.pt'}",
+        f"member 2: checkpoint: {run_dir / 'member2' / 'checkpoint_final.pt'}"]
+    assert reports[2:] == [f"checkpoint: {run_dir / 'checkpoint_final.pt'}"]
     finals = [checkpoint.load_checkpoint(run_dir / f"member{k}" / "checkpoint_final.pt")
               for k in (1, 2)]
     assert [f["meta"]["args"]["seed"] for f in finals] == [5, 6]
@@ -458,6 +462,16 @@ def test_members_train_one_after_another_and_the_final_model_is_their_ensemble(t
     assert f"valid tokenized BLEU {score['valid_tok_bleu']:.2f}" in ensemble_score
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # both members
 
+    # One after another, in one process, the members and their ensemble are the same, bit for bit.
+    in_turn_dir = tmp_path / "in-turn"
+    in_turn = subprocess.run(train_command(paths, in_turn_dir, *flags, "--jobs", 1),
+                             capture_output=True, text=True, timeout=600, env=TORCH_OPS)
+    assert in_turn.returncode == 0, in_turn.stderr
+    assert "ensemble member 2 of 2" in in_turn.stdout and "member 2: " not in in_turn.stdout
+    same = checkpoint.load_checkpoint(in_turn_dir / "checkpoint_final.pt")
+    for name, tensor in ensemble["model"].items():
+        assert torch.equal(same["model"][name], tensor), name
+
     # A run killed in its second member: --resume keeps the first and trains the second again.
     (run_dir / "member2" / "checkpoint_final.pt").unlink()
     for path in checkpoint.list_checkpoints(run_dir / "member2"):
@@ -469,6 +483,83 @@ def test_members_train_one_after_another_and_the_final_model_is_their_ensemble(t
     again = checkpoint.load_checkpoint(run_dir / "checkpoint_final.pt")
     for name, tensor in ensemble["model"].items():
         assert torch.equal(again["model"][name], tensor), name
+
+
+@pytest.mark.slow
+def test_a_member_that_fails_side_by_side_stops_the_run_and_the_others_work_is_kept(tmp_path):
+    paths = corpus(tmp_path, lines=40)
+    run_dir = tmp_path / "run"
+    (run_dir / "member2").mkdir(parents=True)
+    (run_dir / "member2" / "checkpoint_00000004.pt").write_bytes(b"fastattn-checkpoint 00 9\nx")
+    result = subprocess.run(
+        [*train_command(paths, run_dir, "--members", 2, "--max-updates", 2, "--save-every", 1),
+         "--jobs", "2", "--resume"], capture_output=True, text=True, timeout=600, env=TORCH_OPS)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 2, result.stderr
+    assert "checkpoint_00000004.pt" in errors[0] and "truncated or corrupt" in errors[0]
+    assert errors[1] == ("error: ensemble member 2 stopped before finishing (the error is "
+                         "above); --resume continues from the last checkpoints")
+    assert (run_dir / "member1" / "checkpoint_final.pt").exists()  # member 1 trained to the end
+    assert not (run_dir / "checkpoint_final.pt").exists()
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is pid (zombies count as gone)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read()
+        except (OSError, ValueError):
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == pid and state != "Z":
+            found.append(int(entry))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG")
+@pytest.mark.slow
+def test_member_processes_end_when_the_run_is_killed(tmp_path):
+    paths = corpus(tmp_path, lines=40)
+    process = subprocess.Popen(
+        [*train_command(paths, tmp_path / "run", "--members", 2, "--max-updates", 100000),
+         "--jobs", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=TORCH_OPS)
+    deadline = time.time() + 300
+    while not (tmp_path / "run" / "member2" / "metrics.jsonl").exists():  # member 2 is training
+        assert process.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    children = _children(process.pid)
+    assert children
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    deadline = time.time() + 30
+    while any(map(_alive, children)) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, children))
+
+
+def test_members_train_side_by_side_only_on_a_cpu_outside_torchrun(monkeypatch):
+    threads = torch.get_num_threads()
+    assert train_module.member_jobs(parse_args([])) == min(2, threads)
+    assert train_module.member_jobs(parse_args(["--members", "1"])) == 1
+    assert train_module.member_jobs(parse_args(["--members", "3", "--jobs", "5"])) == 3
+    assert train_module.member_jobs(parse_args(["--jobs", "1"])) == 1
+    assert train_module.member_jobs(parse_args(["--device", "cuda"])) == 1
+    with pytest.raises(SystemExit, match="--jobs > 1 trains members side by side on a CPU"):
+        train_module.member_jobs(parse_args(["--device", "cuda", "--jobs", "2"]))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train_module.member_jobs(parse_args([])) == 1
+    with pytest.raises(SystemExit, match="not on a GPU or under torchrun"):
+        train_module.member_jobs(parse_args(["--jobs", "2"]))
 
 
 def run_cli(*argv):
