@@ -300,22 +300,37 @@ FASTATTN_CLONES void load_rows(const c10::BFloat16 *src, int64_t stride, int64_t
   }
 }
 
-void store(const float *src, int64_t n, float *dst) { std::memcpy(dst, src, n * sizeof(float)); }
+// contiguous float32 rows (L, D) into a head's rows with row stride `stride`.
+void store_rows(const float *src, int64_t L, int64_t D, float *dst, int64_t stride) {
+  for (int64_t l = 0; l < L; ++l) std::memcpy(dst + l * stride, src + l * D, D * sizeof(float));
+}
 
-FASTATTN_CLONES void store(const float *src, int64_t n, c10::BFloat16 *dst) {
-  int64_t c = 0;
-  for (; c + 8 <= n; c += 8) store8(dst + c, load8(src + c));
-  for (; c < n; ++c) dst[c] = static_cast<c10::BFloat16>(src[c]);
+FASTATTN_CLONES void store_rows(const float *src, int64_t L, int64_t D, c10::BFloat16 *dst,
+                                int64_t stride) {
+  for (int64_t l = 0; l < L; ++l) {
+    const float *s = src + l * D;
+    c10::BFloat16 *d = dst + l * stride;
+    int64_t c = 0;
+    for (; c + 8 <= D; c += 8) store8(d + c, load8(s + c));
+    for (; c < D; ++c) d[c] = static_cast<c10::BFloat16>(s[c]);
+  }
+}
+
+// A (B, H, L, D) result laid out as (B, L, H, D): merging its heads back to (B, L, H·D), which
+// the output projection reads (and, for gradients, the q/k/v projections' backward), is a view.
+at::Tensor empty_heads_last(int64_t B, int64_t H, int64_t L, int64_t D,
+                            const at::TensorOptions &options) {
+  return at::empty({B, L, H, D}, options).transpose(1, 2);
 }
 
 // The pointer and strides of one (B, H, L, D) tensor's head rows.
 template <typename T>
 struct Rows {
-  const T *data;
+  T *data;
   int64_t sb, sh, sl;
   explicit Rows(const at::Tensor &x)
       : data(x.data_ptr<T>()), sb(x.stride(0)), sh(x.stride(1)), sl(x.stride(2)) {}
-  const T *at(int64_t b, int64_t h) const { return data + b * sb + h * sh; }
+  T *at(int64_t b, int64_t h) const { return data + b * sb + h * sh; }
 };
 
 struct Problem {
@@ -372,8 +387,7 @@ void check(const char *name, const at::Tensor &q, const at::Tensor &k, const at:
 template <typename T>
 void forward(const Problem &p, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
              at::Tensor &out, at::Tensor &lse) {
-  const Rows<T> qr(q), kr(k), vr(v);
-  T *out_data = out.data_ptr<T>();
+  const Rows<T> qr(q), kr(k), vr(v), outr(out);
   float *lse_data = lse.data_ptr<float>();
   const int64_t Lq = p.Lq, Lk = p.Lk, D = p.D;
   at::parallel_for(0, p.B * p.H, p.grain(), [&](int64_t begin, int64_t end) {
@@ -385,7 +399,7 @@ void forward(const Problem &p, const at::Tensor &q, const at::Tensor &k, const a
       load_rows(kr.at(b, h), kr.sl, Lk, D, K);
       load_rows(vr.at(b, h), vr.sl, Lk, D, V);
       forward_head(p.at(b, h), Q, K, V, row, O, lse_data + bh * Lq);
-      store(O, Lq * D, out_data + bh * Lq * D);
+      store_rows(O, Lq, D, outr.at(b, h), outr.sl);
     }
   });
 }
@@ -394,9 +408,8 @@ template <typename T>
 void backward(const Problem &p, const at::Tensor &grad_out, const at::Tensor &q,
               const at::Tensor &k, const at::Tensor &v, const at::Tensor &out,
               const at::Tensor &lse, at::Tensor &dq, at::Tensor &dk, at::Tensor &dv) {
-  const Rows<T> qr(q), kr(k), vr(v), dor(grad_out), outr(out);
+  const Rows<T> qr(q), kr(k), vr(v), dor(grad_out), outr(out), dqr(dq), dkr(dk), dvr(dv);
   const float *lse_data = lse.data_ptr<float>();
-  T *dq_data = dq.data_ptr<T>(), *dk_data = dk.data_ptr<T>(), *dv_data = dv.data_ptr<T>();
   const int64_t Lq = p.Lq, Lk = p.Lk, D = p.D;
   at::parallel_for(0, p.B * p.H, p.grain(), [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(4 * Lq * D + 4 * Lk * D + 3 * Lk);
@@ -411,9 +424,9 @@ void backward(const Problem &p, const at::Tensor &grad_out, const at::Tensor &q,
       load_rows(outr.at(b, h), outr.sl, Lq, D, O);
       load_rows(dor.at(b, h), dor.sl, Lq, D, dO);
       backward_head(p.at(b, h), Q, K, V, O, dO, lse_data + bh * Lq, row, dp, pz, dQ, dK, dV);
-      store(dQ, Lq * D, dq_data + bh * Lq * D);
-      store(dK, Lk * D, dk_data + bh * Lk * D);
-      store(dV, Lk * D, dv_data + bh * Lk * D);
+      store_rows(dQ, Lq, D, dqr.at(b, h), dqr.sl);
+      store_rows(dK, Lk, D, dkr.at(b, h), dkr.sl);
+      store_rows(dV, Lk, D, dvr.at(b, h), dvr.sl);
     }
   });
 }
@@ -429,7 +442,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor &q, const 
   check("attention_fwd_cpu", q, k, v, bias);
   check_dropout(dropout_p);
   const Problem p(q, k, bias, causal, causal_shift, scale, dropout_p, seed);
-  auto out = at::empty({p.B, p.H, p.Lq, p.D}, q.options());
+  auto out = empty_heads_last(p.B, p.H, p.Lq, p.D, q.options());
   auto lse = at::empty({p.B, p.H, p.Lq}, q.options().dtype(at::kFloat));
   if (q.scalar_type() == at::kFloat) {
     forward<float>(p, q, k, v, out, lse);
@@ -454,9 +467,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
                   lse.numel() == q.size(0) * q.size(1) * q.size(2),
               "attention_bwd_cpu: lse must be contiguous float32 (B, H, Lq)");
   const Problem p(q, k, bias, causal, causal_shift, scale, dropout_p, seed);
-  auto dq = at::empty(q.sizes(), q.options());
-  auto dk = at::empty(k.sizes(), k.options());
-  auto dv = at::empty(v.sizes(), v.options());
+  auto dq = empty_heads_last(p.B, p.H, p.Lq, p.D, q.options());
+  auto dk = empty_heads_last(p.B, p.H, p.Lk, p.D, k.options());
+  auto dv = empty_heads_last(p.B, p.H, p.Lk, p.D, v.options());
   if (q.scalar_type() == at::kFloat) {
     backward<float>(p, grad_out, q, k, v, out, lse, dq, dk, dv);
   } else {

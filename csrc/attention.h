@@ -17,8 +17,8 @@ namespace fastattn {
 // z_ij = keep_ij / (1 - dropout_p), keep drawn by dropout.h's Dropout(seed, dropout_p) at row
 // (b H + h) Lq + i, column j (z = 1 without dropout). bias: float32, any strides (0 for broadcast
 // dims) over (B, H, Lq, Lk), or none. A row whose every score is -inf gets out_i = 0 and lse_i =
-// +inf, so its gradients are 0. Returns out (B, H, Lq, D) contiguous in q's dtype and lse
-// (B, H, Lq) float32.
+// +inf, so its gradients are 0. Returns out (B, H, Lq, D) in q's dtype, laid out as (B, Lq, H, D)
+// so that merging the heads is a view, and lse (B, H, Lq) float32, contiguous.
 std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor &q, const at::Tensor &k,
                                                      const at::Tensor &v,
                                                      const std::optional<at::Tensor> &bias,
@@ -32,7 +32,7 @@ std::tuple<at::Tensor, at::Tensor> attention_fwd_cpu(const at::Tensor &q, const 
 //   ds_ij = p_ij (z_ij do_i · v_j - do_i · out_i),
 //   dq_i = scale sum_j ds_ij k_j,  dk_j = scale sum_i ds_ij q_i.
 // Each (batch, head) pair owns its dq, dk, dv rows: no atomics, no reduction across tasks.
-// Returns contiguous tensors in q's dtype.
+// Returns them in q's dtype, laid out as (B, L, H, D) like out.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_bwd_cpu(
     const at::Tensor &grad_out, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
     const at::Tensor &out, const at::Tensor &lse, const std::optional<at::Tensor> &bias,

@@ -644,10 +644,18 @@ def _attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale)
 
 
+def _empty_result(x: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, L, D) like x, laid out as the op lays out its results: fastattn._C
+    writes (B, L, H, D), whose heads merge to (B, L, H·D) as a view; Triton writes contiguous."""
+    b, h, length, d = x.shape
+    if native_cpu(x, dtypes=_NATIVE_DTYPES):
+        return x.new_empty((b, length, h, d)).transpose(1, 2)
+    return x.new_empty((b, h, length, d))
+
+
 @_attention_forward_op.register_fake
 def _(q, k, v, attn_mask, rng, causal, dropout_p, scale):
-    b, h, lq, d = q.shape
-    return q.new_empty((b, h, lq, d)), q.new_empty((b, h, lq), dtype=torch.float32)
+    return _empty_result(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("fastattn::attention_backward", mutates_args=())
@@ -665,7 +673,7 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 @_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return _empty_result(q), _empty_result(k), _empty_result(v)
 
 
 def _setup_context(ctx, inputs, output):

@@ -301,6 +301,20 @@ def test_native_cpu_attention_dropout(lq, lk, d, causal, mask_name, dtype):
 
 
 @pytest.mark.skipif(not NATIVE, reason=NATIVE_REASON)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_results_merge_heads_without_a_copy(seeded, dtype):
+    """fastattn._C writes out, dq, dk and dv laid out as (B, L, H, D), so the (B, L, H·D) the
+    projections read is a view; the values are the reference's (test_native_cpu_attention)."""
+    q, k, v = (x.requires_grad_() for x in _inputs(17, 9, 32, dtype))
+    mask = _masks(2, 3, 17, 9)["key_padding"]
+    out, *grads = _run(attention, q, k, v, torch.randn_like(q), attn_mask=mask, causal=True)
+    for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True):
+        assert x.transpose(1, 2).is_contiguous(), name
+        merged = x.transpose(1, 2).flatten(2)
+        assert merged.data_ptr() == x.data_ptr() and merged._base is not None, name
+
+
+@pytest.mark.skipif(not NATIVE, reason=NATIVE_REASON)
 def test_native_op_registration(seeded):
     q, k, v = (x.requires_grad_() for x in _inputs(17, 33, 40, torch.float32))
     mask = _masks(2, 3, 17, 33)["float"]
