@@ -228,7 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="auto: on GPUs bf16 autocast where supported, else fp16 with dynamic loss scaling; "
         "on CPUs bf16 autocast where a quick measurement finds bf16 matmuls at least "
         f"{BF16_MIN_SPEEDUP}x faster than fp32 (AMX), else fp32")
-    add(g, "--threads", type=int, default=0, help="CPU threads per process (0: torch's choice)")
+    add(g, "--threads", type=int, default=0,
+        help="CPU threads per process (0: torch's choice, shared among the processes of --jobs)")
     add(g, "--device", default="auto", help="auto, cpu or cuda")
 
     g = parser.add_argument_group("checkpoints")
