@@ -264,6 +264,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
     args.metrics = args.metrics or str(Path(args.save_dir) / "metrics.jsonl")
     return args
@@ -510,8 +512,6 @@ class Run:
         self.name, self.bar_row = name, bar_row
         self.bar = None
         self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-        if args.device == "auto":
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
         if args.device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("error: --device cuda but torch sees no GPU")
         if self.distributed and not dist.is_initialized():  # ensemble members share the group
@@ -970,9 +970,7 @@ def member_jobs(args: argparse.Namespace) -> int:
     """How many ensemble members train at once, each in a process of its own: only on a CPU
     outside torchrun, where two single-thread processes outrun one two-thread process (small
     ops leave cores idle that the other process fills)."""
-    device = args.device if args.device != "auto" else \
-        "cuda" if torch.cuda.is_available() else "cpu"
-    alone_on_cpu = device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    alone_on_cpu = args.device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
     if args.jobs == 0:
         return min(args.members, torch.get_num_threads()) if alone_on_cpu else 1
     if args.jobs > 1 and not alone_on_cpu:
@@ -1015,10 +1013,8 @@ def _member_job(members: Sequence[argparse.Namespace], job: int, jobs: int, pare
 
         tqdm.set_lock(bar_lock)
     try:
-        train_members(members, job, jobs)
-    except (data.DataError, checkpoint.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        with one_line_errors():
+            train_members(members, job, jobs)
     except KeyboardInterrupt:
         sys.exit(130)
 
@@ -1075,25 +1071,37 @@ def train_ensemble(args: argparse.Namespace) -> Run:
     return run
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Bad data and bad checkpoints end the process with one `error: ...` line and status 2."""
     try:
-        if args.members > 1:
-            run = train_ensemble(args)
-        else:
-            run = Run(args)
-            run.train()
-            run.finish()
-        # Free DDP's reducer while the process group is still registered: were it the last
-        # owner, its gloo destructor would join worker threads that wait for the GIL it holds.
-        del run
-        gc.collect()
+        yield
     except (data.DataError, checkpoint.CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        with one_line_errors():
+            train_and_score(args)
     finally:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def train_and_score(args: argparse.Namespace) -> None:
+    if args.members > 1:
+        run = train_ensemble(args)
+    else:
+        run = Run(args)
+        run.train()
+        run.finish()
+    # Free DDP's reducer while the process group is still registered: were it the last owner,
+    # its gloo destructor would join worker threads that wait for the GIL it holds.
+    del run
+    gc.collect()
 
 
 if __name__ == "__main__":
