@@ -1,7 +1,10 @@
-// Attention with its backward on CPU. One task per (batch, head) pair: its q, k, v rows are
-// copied into float32 buffers (converting bfloat16 once), worked on while they sit in cache, and
-// the results written once. The backward recomputes the probabilities from lse and the dropout
-// mask from its seed, as the Triton kernels do, so the forward keeps no (Lq, Lk) matrix.
+// Attention with its backward on CPU. One task per (batch, head) pair: its rows are copied into
+// float32 buffers (converting bfloat16 once; q and grad_out also transposed), and each product
+// is a small matrix product on them in 16-float vectors, one AVX-512 register. Scores are held
+// transposed, (keys, queries), with up to kRows queries across the lanes, so the softmax over
+// keys is lane-wise arithmetic with no sums across lanes: St = K Qᵀ and O = Pᵀ V forward; dPt =
+// V dOᵀ, dV = Pt dO, dK = dSt Q and dQ = dStᵀ K backward. The backward recomputes P from lse and
+// the dropout mask from its seed, as the Triton kernels do; memory grows linearly with lengths.
 #include "attention.h"
 
 #include <ATen/ATen.h>
@@ -11,6 +14,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "dropout.h"
@@ -20,36 +25,76 @@ namespace fastattn {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int64_t kLanes = 16;  // floats per vector: rows in the buffers are padded to it
+constexpr int64_t kRows = 64;   // queries whose scores are worked on at once
 
-// y += a x over n floats.
-FASTATTN_INLINE void axpy(float a, const float *x, float *y, int64_t n) {
-  if (n % 8 == 0) {
-    for (int64_t d = 0; d < n; d += 8) store8(y + d, load8(y + d) + a * load8(x + d));
-    return;
-  }
-  for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+int64_t padded(int64_t n) { return (n + kLanes - 1) / kLanes * kLanes; }
+
+FASTATTN_INLINE v16u load16u(const uint32_t *p) {
+  v16u x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
 }
 
-// p[j] = e^(min(p[j] - shift, 0)) for j < n, returning their sum. The min guards the backward's
-// recomputed scores, which may exceed their lse by a rounding error.
-FASTATTN_INLINE float exp_shifted(float *p, int64_t n, float shift) {
-  v8 partial{};
+// AVX-512 has 32 vector registers, AVX2 16: a tile of C keeps R · NV v16 accumulators in them.
+const bool kWideRegisters = __builtin_cpu_supports("avx512f");
+
+// C[r, :16 NV] (+)= sum_k A(r, k) B[k, :16 NV] for r < R, with A(r, k) = a[r · ai + k · ak]:
+// each vector of B is loaded once for R rows of C, whose accumulators stay in registers.
+template <int R, int NV>
+FASTATTN_INLINE void tile(const float *a, int64_t ai, int64_t ak, const float *b, int64_t ldb,
+                          int64_t K, float *c, int64_t ldc, bool accumulate) {
+  v16 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load16(c + r * ldc + kLanes * v) : v16{};
+  for (int64_t k = 0; k < K; ++k) {
+    v16 bk[NV];
+    for (int v = 0; v < NV; ++v) bk[v] = load16(b + k * ldb + kLanes * v);
+    for (int r = 0; r < R; ++r) {
+      const float x = a[r * ai + k * ak];
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * bk[v];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) store16(c + r * ldc + kLanes * v, acc[r][v]);
+}
+
+// Rows of C R at a time, the remainder in halving tiles.
+template <int R, int NV>
+FASTATTN_INLINE void tile_rows(int64_t M, int64_t K, const float *a, int64_t ai, int64_t ak,
+                               const float *b, int64_t ldb, float *c, int64_t ldc,
+                               bool accumulate) {
+  int64_t i = 0;
+  for (; i + R <= M; i += R)
+    tile<R, NV>(a + i * ai, ai, ak, b, ldb, K, c + i * ldc, ldc, accumulate);
+  if constexpr (R > 1)
+    if (i < M) tile_rows<R / 2, NV>(M - i, K, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc,
+                                    accumulate);
+}
+
+// C (M, N) (+)= A B, with A(i, k) = a[i · ai + k · ak] (M, K) (ai = 1 reads a transposed), B (K,
+// N) and C (M, N) rows ldb and ldc apart, N a multiple of 16. Eight accumulators (sixteen AVX2
+// registers, half AVX-512's) keep both multiply-add units busy through their latency.
+FASTATTN_INLINE void matmul(int64_t M, int64_t N, int64_t K, const float *a, int64_t ai,
+                            int64_t ak, const float *b, int64_t ldb, float *c, int64_t ldc,
+                            bool accumulate) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    v8 x = load8(p + j) - shift;
-    x = x < 0.0f ? x : v8{};
-    const v8 e = exp_nonpositive(x);
-    store8(p + j, e);
-    partial += e;
+  for (; j + 2 * kLanes <= N; j += 2 * kLanes) {
+    if (kWideRegisters)
+      tile_rows<4, 2>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
+    else
+      tile_rows<2, 2>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
   }
-  float sum = sum8(partial);
-  for (; j < n; ++j) sum += (p[j] = exp_nonpositive(std::min(p[j] - shift, 0.0f)));
-  return sum;
+  if (j == N) return;
+  if (kWideRegisters)
+    tile_rows<8, 1>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
+  else
+    tile_rows<4, 1>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
 }
 
-// One (batch, head) pair: float32 rows, contiguous, D wide. bias points at the pair's (0, 0)
-// element with row stride si and column stride sj, or is null. Query i's dropout row is
-// first_row + i: the pair's rows follow each other in (B, H, Lq) order.
+// One (batch, head) pair. bias points at the pair's (0, 0) element with row stride si and column
+// stride sj, or is null. Query i's dropout row is first_row + i: the pair's rows follow each
+// other in (B, H, Lq) order.
 struct Head {
   int64_t Lq, Lk, D;
   bool causal;
@@ -60,260 +105,196 @@ struct Head {
   Dropout dropout;
   int64_t first_row;
 
-  // Keys row i may see: all, or those up to its causal limit.
-  int64_t keys(int64_t i) const {
-    return causal ? std::clamp<int64_t>(i + shift + 1, 0, Lk) : Lk;
-  }
-
-  // row[j] = s_ij for j < n, returning their maximum.
-  FASTATTN_INLINE float scores(const float *q, const float *k, int64_t i, int64_t n,
-                               float *row) const {
-    const float *qi = q + i * D;
-    float m = -kInf;
-    for (int64_t j = 0; j < n; ++j) {
-      float s = dot(qi, k + j * D, D) * scale;
-      if (bias) s += bias[i * si + j * sj];
-      row[j] = s;
-      m = std::max(m, s);
+  // Key j's scores for queries i0 + c, c < wq (a multiple of 16; rows of them real), given their
+  // products q_i · k_j: s_ij = scale · q_i · k_j + bias_ij, and -inf where causal hides j from i.
+  FASTATTN_INLINE void scores(int64_t i0, int64_t rows, int64_t wq, int64_t j, float *s) const {
+    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const float key_bias = bias && si == 0 ? bias[j * sj] : 0.0f;
+    for (int64_t c = 0; c < wq; c += kLanes) {
+      v16 x = load16(s + c) * scale + key_bias;
+      if (causal) {  // j <= i + shift
+        const v16i hidden = lane < static_cast<int32_t>(j - shift - i0 - c);
+        x = hidden ? v16{} - kInf : x;
+      }
+      store16(s + c, x);
     }
-    return m;
+    if (bias && si != 0)
+      for (int64_t c = 0; c < rows; ++c) s[c] += bias[(i0 + c) * si + j * sj];
   }
 
-  // w[j] *= keep_ij / (1 - p) for j < n: dropout of row i's attention weights, in place.
-  FASTATTN_INLINE void drop(int64_t i, int64_t n, float *w) const {
-    dropout.apply_row(w, w, n, dropout.key(first_row + i));
-  }
-
-  // Row i of the backward with dropout, z_ij = keep_ij / (1 - p): dp[j] *= z_ij, and pz[j] =
-  // p[j] z_ij, the weight v_j got in the forward.
-  FASTATTN_INLINE void drop_backward(int64_t i, int64_t n, const float *p, float *dp,
-                                     float *pz) const {
-    std::fill(pz, pz + n, 1.0f);
-    drop(i, n, pz);
-    for (int64_t j = 0; j < n; ++j) {
-      dp[j] *= pz[j];
-      pz[j] *= p[j];
-    }
+  // The dropout keys of queries i0 .. i0 + wq.
+  void dropout_keys(int64_t i0, int64_t wq, uint32_t *keys) const {
+    for (int64_t c = 0; c < wq; ++c) keys[c] = dropout.key(first_row + i0 + c);
   }
 };
 
-// out[j] = x · keys[j] for j < n, 4 keys at a time: one shared reduction for four dots.
-template <int V8>
-FASTATTN_INLINE void dots(const v8 (&x)[V8], const float *keys, int64_t n, float *out) {
-  constexpr int64_t D = 8 * V8;
-  int64_t j = 0;
-  for (; j + 4 <= n; j += 4) {
-    const float *k0 = keys + j * D;
-    v8 a0{}, a1{}, a2{}, a3{};
-    for (int t = 0; t < V8; ++t) {
-      a0 += x[t] * load8(k0 + 8 * t);
-      a1 += x[t] * load8(k0 + D + 8 * t);
-      a2 += x[t] * load8(k0 + 2 * D + 8 * t);
-      a3 += x[t] * load8(k0 + 3 * D + 8 * t);
-    }
-    const v4 s = sum4x8(a0, a1, a2, a3);
-    std::memcpy(out + j, &s, sizeof s);
-  }
-  for (; j < n; ++j) {
-    v8 a{};
-    for (int t = 0; t < V8; ++t) a += x[t] * load8(keys + j * D + 8 * t);
-    out[j] = sum8(a);
-  }
-}
-
-// Head widths 8 · V8 (8 to 64): a query's row, its output and gradient accumulators live in
-// registers across all keys, and dot products share their reductions four at a time.
-template <int V8>
-FASTATTN_INLINE float scores_fixed(const Head &a, const v8 (&qi)[V8], const float *k, int64_t i,
-                                   int64_t n, float *row) {
-  dots<V8>(qi, k, n, row);
-  float m = -kInf;
-  for (int64_t j = 0; j < n; ++j) {
-    float s = row[j] * a.scale;
-    if (a.bias) s += a.bias[i * a.si + j * a.sj];
-    row[j] = s;
-    m = std::max(m, s);
-  }
-  return m;
-}
-
-template <int V8>
-FASTATTN_INLINE void load_row(const float *x, v8 (&out)[V8]) {
-  for (int t = 0; t < V8; ++t) out[t] = load8(x + 8 * t);
-}
-
-template <int V8>
-FASTATTN_INLINE void forward_fixed(const Head &a, const float *q, const float *k, const float *v,
-                                   float *row, float *o, float *lse) {
-  constexpr int64_t D = 8 * V8;
-  for (int64_t i = 0; i < a.Lq; ++i) {
-    const int64_t n = a.keys(i);
-    v8 qi[V8], acc[V8] = {};
-    load_row(q + i * D, qi);
-    const float m = scores_fixed<V8>(a, qi, k, i, n, row);
-    float inv = 0;
-    if (m > -kInf) {
-      const float l = exp_shifted(row, n, m);  // the normaliser sums the weights before dropout
-      if (a.dropout.on) a.drop(i, n, row);
-      for (int64_t j = 0; j < n; ++j)
-        for (int t = 0; t < V8; ++t) acc[t] += row[j] * load8(v + j * D + 8 * t);
-      inv = 1.0f / l;
-      lse[i] = m + std::log(l);
-    } else {  // no key allowed (or n = 0): zeros, and zero gradients via lse = +inf
-      lse[i] = kInf;
-    }
-    for (int t = 0; t < V8; ++t) store8(o + i * D + 8 * t, acc[t] * inv);
-  }
-}
-
-template <int V8>
-FASTATTN_INLINE void backward_fixed(const Head &a, const float *q, const float *k,
-                                    const float *v, const float *o, const float *dout,
-                                    const float *lse, float *row, float *dp, float *pz,
-                                    float *dq, float *dk, float *dv) {
-  constexpr int64_t D = 8 * V8;
-  for (int64_t i = 0; i < a.Lq; ++i) {
-    v8 dqi[V8] = {};
-    if (lse[i] < kInf) {
-      const int64_t n = a.keys(i);
-      v8 qi[V8], doi[V8], delta{};
-      load_row(q + i * D, qi);
-      load_row(dout + i * D, doi);
-      for (int t = 0; t < V8; ++t) delta += doi[t] * load8(o + i * D + 8 * t);
-      scores_fixed<V8>(a, qi, k, i, n, row);
-      exp_shifted(row, n, lse[i]);  // p_ij
-      dots<V8>(doi, v, n, dp);   // do_i · v_j
-      const float *pv = row;     // the weights v_j got
-      if (a.dropout.on) {
-        a.drop_backward(i, n, row, dp, pz);
-        pv = pz;
+// The forward of one pair: k and v (Lk, Dp) rows, zero-padded to Dp = padded(D) columns; qt =
+// qᵀ (D, padded(Lq)), zero-padded; st (Lk, padded(min(Lq, kRows))) scores; o (Lq, Dp) the output.
+FASTATTN_INLINE void forward_head(const Head &a, const float *k, const float *v, const float *qt,
+                                  float *st, float *o, float *lse) {
+  const int64_t D = a.D, Dp = padded(D), Lk = a.Lk, Lqp = padded(a.Lq);
+  constexpr int64_t V = kRows / kLanes;
+  for (int64_t i0 = 0; i0 < a.Lq; i0 += kRows) {
+    const int64_t rows = std::min(kRows, a.Lq - i0), wq = padded(rows), nv = wq / kLanes;
+    matmul(Lk, wq, D, k, Dp, 1, qt + i0, Lqp, st, wq, false);  // q_i · k_j
+    v16 m[V], l[V];
+    for (int64_t c = 0; c < nv; ++c) m[c] = v16{} - kInf, l[c] = v16{};
+    for (int64_t j = 0; j < Lk; ++j) {
+      a.scores(i0, rows, wq, j, st + j * wq);
+      for (int64_t c = 0; c < nv; ++c) {
+        const v16 x = load16(st + j * wq + kLanes * c);
+        m[c] = x > m[c] ? x : m[c];
       }
-      const float d = sum8(delta);
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = row[j], ds = p * (dp[j] - d) * a.scale;
-        float *dvj = dv + j * D, *dkj = dk + j * D;
-        const float *kj = k + j * D;
-        for (int t = 0; t < V8; ++t) {
-          store8(dvj + 8 * t, load8(dvj + 8 * t) + pv[j] * doi[t]);
-          store8(dkj + 8 * t, load8(dkj + 8 * t) + ds * qi[t]);
-          dqi[t] += ds * load8(kj + 8 * t);
+    }
+    for (int64_t c = 0; c < nv; ++c) m[c] = m[c] > -kInf ? m[c] : v16{};  // rows with no key: 0s
+    for (int64_t j = 0; j < Lk; ++j)
+      for (int64_t c = 0; c < nv; ++c) {
+        float *x = st + j * wq + kLanes * c;
+        const v16 e = exp_nonpositive(load16(x) - m[c]);
+        store16(x, e);
+        l[c] += e;  // the normaliser sums the weights before dropout
+      }
+    v16 inv[V];
+    for (int64_t c = 0; c < nv; ++c) {
+      inv[c] = l[c] > 0.0f ? 1.0f / l[c] : v16{};
+      for (int64_t r = 0; r < kLanes && kLanes * c + r < rows; ++r)  // lse = +inf: zero gradients
+        lse[i0 + kLanes * c + r] = l[c][r] > 0 ? m[c][r] + std::log(l[c][r]) : kInf;
+    }
+    uint32_t keys[kRows];
+    if (a.dropout.on) a.dropout_keys(i0, wq, keys);
+    for (int64_t j = 0; j < Lk; ++j)
+      for (int64_t c = 0; c < nv; ++c) {
+        float *x = st + j * wq + kLanes * c;
+        v16 y = load16(x) * inv[c];
+        if (a.dropout.on) y *= a.dropout.scale16(load16u(keys + kLanes * c), j);
+        store16(x, y);
+      }
+    matmul(rows, Dp, Lk, st, 1, wq, v, Dp, o + i0 * Dp, Dp, false);  // o_i = sum_j p_ij z_ij v_j
+  }
+}
+
+// The backward of one pair: q and dout (Lq, Dp), k and v (Lk, Dp) rows, zero-padded; qt = qᵀ and
+// doutt = doutᵀ (D, padded(Lq)), zero-padded; delta_i = do_i · out_i; pt, dst and pz (Lk,
+// padded(min(Lq, kRows))) scratch; dq (Lq, Dp), dk and dv (Lk, Dp) the gradients.
+FASTATTN_INLINE void backward_head(const Head &a, const float *q, const float *k, const float *v,
+                                   const float *dout, const float *qt, const float *doutt,
+                                   const float *delta, const float *lse, float *pt, float *dst,
+                                   float *pz, float *dq, float *dk, float *dv) {
+  const int64_t D = a.D, Dp = padded(D), Lk = a.Lk, Lqp = padded(a.Lq);
+  constexpr int64_t V = kRows / kLanes;
+  std::fill(dk, dk + Lk * Dp, 0.0f);
+  std::fill(dv, dv + Lk * Dp, 0.0f);
+  for (int64_t i0 = 0; i0 < a.Lq; i0 += kRows) {
+    const int64_t rows = std::min(kRows, a.Lq - i0), wq = padded(rows), nv = wq / kLanes;
+    matmul(Lk, wq, D, k, Dp, 1, qt + i0, Lqp, pt, wq, false);      // q_i · k_j
+    matmul(Lk, wq, D, v, Dp, 1, doutt + i0, Lqp, dst, wq, false);  // do_i · v_j
+    float lse_rows[kRows], delta_rows[kRows];  // +inf and 0 on the padding lanes
+    std::fill(lse_rows, lse_rows + wq, kInf);
+    std::fill(delta_rows, delta_rows + wq, 0.0f);
+    std::copy(lse + i0, lse + i0 + rows, lse_rows);
+    std::copy(delta + i0, delta + i0 + rows, delta_rows);
+    uint32_t keys[kRows];
+    if (a.dropout.on) a.dropout_keys(i0, wq, keys);
+    for (int64_t j = 0; j < Lk; ++j) {
+      a.scores(i0, rows, wq, j, pt + j * wq);
+      for (int64_t c = 0; c < nv; ++c) {
+        const int64_t at = j * wq + kLanes * c;
+        v16 x = load16(pt + at) - load16(lse_rows + kLanes * c);
+        x = x < 0.0f ? x : v16{};  // recomputed scores may exceed lse by a rounding error
+        const v16 p = exp_nonpositive(x);
+        v16 dp = load16(dst + at);
+        if (a.dropout.on) {  // z_ij = keep_ij / (1 - p): dp_ij z_ij, and pz_ij = p_ij z_ij
+          const v16 z = a.dropout.scale16(load16u(keys + kLanes * c), j);
+          dp *= z;
+          store16(pz + at, p * z);
         }
+        store16(pt + at, p);
+        store16(dst + at, p * (dp - load16(delta_rows + kLanes * c)) * a.scale);
       }
     }
-    for (int t = 0; t < V8; ++t) store8(dq + i * D + 8 * t, dqi[t]);
+    const float *pv = a.dropout.on ? pz : pt;  // the weights v_j got
+    matmul(Lk, Dp, rows, pv, wq, 1, dout + i0 * Dp, Dp, dv, Dp, true);  // dv_j += p_ij z_ij do_i
+    matmul(Lk, Dp, rows, dst, wq, 1, q + i0 * Dp, Dp, dk, Dp, true);    // dk_j += ds_ij q_i
+    matmul(rows, Dp, Lk, dst, 1, wq, k, Dp, dq + i0 * Dp, Dp, false);   // dq_i = sum_j ds_ij k_j
   }
 }
 
-// Any other head width: the same loops over D at run time.
-FASTATTN_INLINE void forward_any(const Head &a, const float *q, const float *k, const float *v,
-                                 float *row, float *o, float *lse) {
-  const int64_t D = a.D;
-  std::fill(o, o + a.Lq * D, 0.0f);
-  for (int64_t i = 0; i < a.Lq; ++i) {
-    const int64_t n = a.keys(i);
-    const float m = a.scores(q, k, i, n, row);
-    if (!(m > -kInf)) {
-      lse[i] = kInf;
-      continue;
-    }
-    const float l = exp_shifted(row, n, m);
-    if (a.dropout.on) a.drop(i, n, row);
-    float *oi = o + i * D;
-    for (int64_t j = 0; j < n; ++j) axpy(row[j], v + j * D, oi, D);
-    const float inv = 1.0f / l;
-    for (int64_t d = 0; d < D; ++d) oi[d] *= inv;
-    lse[i] = m + std::log(l);
-  }
-}
+FASTATTN_INLINE float to_float(float x) { return x; }
+FASTATTN_INLINE float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
-FASTATTN_INLINE void backward_any(const Head &a, const float *q, const float *k, const float *v,
-                                  const float *o, const float *dout, const float *lse,
-                                  float *row, float *dp, float *pz, float *dq, float *dk,
-                                  float *dv) {
-  const int64_t D = a.D;
-  std::fill(dq, dq + a.Lq * D, 0.0f);
-  for (int64_t i = 0; i < a.Lq; ++i) {
-    if (!(lse[i] < kInf)) continue;
-    const int64_t n = a.keys(i);
-    a.scores(q, k, i, n, row);
-    exp_shifted(row, n, lse[i]);  // p_ij
-    const float *qi = q + i * D, *doi = dout + i * D;
-    float *dqi = dq + i * D;
-    const float delta = dot(doi, o + i * D, D);
-    for (int64_t j = 0; j < n; ++j) dp[j] = dot(doi, v + j * D, D);
-    const float *pv = row;  // the weights v_j got
-    if (a.dropout.on) {
-      a.drop_backward(i, n, row, dp, pz);
-      pv = pz;
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      const float p = row[j];
-      axpy(pv[j], doi, dv + j * D, D);
-      const float ds = p * (dp[j] - delta) * a.scale;
-      axpy(ds, k + j * D, dqi, D);
-      axpy(ds, qi, dk + j * D, D);
-    }
-  }
-}
-
-FASTATTN_CLONES void forward_head(const Head &a, const float *q, const float *k, const float *v,
-                                  float *row, float *o, float *lse) {
-  switch (a.D) {
-    case 8: return forward_fixed<1>(a, q, k, v, row, o, lse);
-    case 16: return forward_fixed<2>(a, q, k, v, row, o, lse);
-    case 32: return forward_fixed<4>(a, q, k, v, row, o, lse);
-    case 64: return forward_fixed<8>(a, q, k, v, row, o, lse);
-  }
-  forward_any(a, q, k, v, row, o, lse);
-}
-
-// row, dp and pz hold Lk floats each.
-FASTATTN_CLONES void backward_head(const Head &a, const float *q, const float *k, const float *v,
-                                   const float *o, const float *dout, const float *lse,
-                                   float *row, float *dp, float *pz, float *dq, float *dk,
-                                   float *dv) {
-  std::fill(dk, dk + a.Lk * a.D, 0.0f);
-  std::fill(dv, dv + a.Lk * a.D, 0.0f);
-  switch (a.D) {
-    case 8: return backward_fixed<1>(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
-    case 16: return backward_fixed<2>(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
-    case 32: return backward_fixed<4>(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
-    case 64: return backward_fixed<8>(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
-  }
-  backward_any(a, q, k, v, o, dout, lse, row, dp, pz, dq, dk, dv);
-}
-
-// rows (L, D) of a head with row stride `stride`, as contiguous float32; and back.
-FASTATTN_CLONES void load_rows(const float *src, int64_t stride, int64_t L, int64_t D,
-                               float *dst) {
-  for (int64_t l = 0; l < L; ++l) std::memcpy(dst + l * D, src + l * stride, D * sizeof(float));
-}
-
-FASTATTN_CLONES void load_rows(const c10::BFloat16 *src, int64_t stride, int64_t L, int64_t D,
-                               float *dst) {
+// A head's rows (L, D), `stride` apart, as float32 rows ld >= D apart, zero-padded to ld columns
+// and to `rows` >= L rows.
+template <typename T>
+FASTATTN_INLINE void load_rows(const T *src, int64_t stride, int64_t L, int64_t D, float *dst,
+                               int64_t ld, int64_t rows) {
   for (int64_t l = 0; l < L; ++l) {
-    const c10::BFloat16 *s = src + l * stride;
-    float *d = dst + l * D;
+    const T *s = src + l * stride;
+    float *d = dst + l * ld;
     int64_t c = 0;
     for (; c + 8 <= D; c += 8) store8(d + c, load8(s + c));
-    for (; c < D; ++c) d[c] = static_cast<float>(s[c]);
+    for (; c < D; ++c) d[c] = to_float(s[c]);
+    std::fill(d + D, d + ld, 0.0f);
   }
+  std::fill(dst + L * ld, dst + rows * ld, 0.0f);
 }
 
-// contiguous float32 rows (L, D) into a head's rows with row stride `stride`.
-void store_rows(const float *src, int64_t L, int64_t D, float *dst, int64_t stride) {
-  for (int64_t l = 0; l < L; ++l) std::memcpy(dst + l * stride, src + l * D, D * sizeof(float));
+// Asks for a head's rows (L, D) to be brought into cache: the next pair's rows, fetched while
+// this pair is worked on, which otherwise stalls on each row's first touch.
+template <typename T>
+FASTATTN_INLINE void prefetch_rows(const T *src, int64_t stride, int64_t L, int64_t D) {
+  for (int64_t l = 0; l < L; ++l)
+    for (int64_t c = 0; c < D; c += 64 / sizeof(T)) __builtin_prefetch(src + l * stride + c);
 }
 
-FASTATTN_CLONES void store_rows(const float *src, int64_t L, int64_t D, c10::BFloat16 *dst,
+// Float32 rows (L, D), ld apart, into a head's rows `stride` apart.
+template <typename T>
+FASTATTN_INLINE void store_rows(const float *src, int64_t ld, int64_t L, int64_t D, T *dst,
                                 int64_t stride) {
   for (int64_t l = 0; l < L; ++l) {
-    const float *s = src + l * D;
-    c10::BFloat16 *d = dst + l * stride;
+    const float *s = src + l * ld;
+    T *d = dst + l * stride;
     int64_t c = 0;
     for (; c + 8 <= D; c += 8) store8(d + c, load8(s + c));
-    for (; c < D; ++c) d[c] = static_cast<c10::BFloat16>(s[c]);
+    for (; c < D; ++c) d[c] = static_cast<T>(s[c]);
   }
+}
+
+// One step of a swap-blocks transpose of 16 rows: rows i and i + S (i & S = 0) trade, within
+// each group of 2S lanes, i's second S lanes for (i + S)'s first S.
+template <int S, int... L>
+FASTATTN_INLINE v16 first_halves(v16 a, v16 b, std::integer_sequence<int, L...>) {
+  return __builtin_shufflevector(
+      a, b, (L % (2 * S) < S ? L : 16 + L - S)...);
+}
+
+template <int S, int... L>
+FASTATTN_INLINE v16 second_halves(v16 a, v16 b, std::integer_sequence<int, L...>) {
+  return __builtin_shufflevector(a, b, (L % (2 * S) < S ? L + S : 16 + L)...);
+}
+
+template <int S>
+FASTATTN_INLINE void swap_blocks(v16 (&r)[16]) {
+  constexpr auto lanes = std::make_integer_sequence<int, 16>{};
+  for (int i = 0; i < 16; ++i) {
+    if (i & S) continue;
+    const v16 a = r[i], b = r[i + S];
+    r[i] = first_halves<S>(a, b, lanes);
+    r[i + S] = second_halves<S>(a, b, lanes);
+  }
+}
+
+// dst (C, R) = src (R, C)ᵀ, for R and C multiples of 16, in 16 x 16 blocks held in registers.
+FASTATTN_INLINE void transpose(const float *src, int64_t R, int64_t C, float *dst) {
+  for (int64_t r0 = 0; r0 < R; r0 += kLanes)
+    for (int64_t c0 = 0; c0 < C; c0 += kLanes) {
+      v16 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = load16(src + (r0 + i) * C + c0);
+      swap_blocks<8>(r);
+      swap_blocks<4>(r);
+      swap_blocks<2>(r);
+      swap_blocks<1>(r);
+      for (int i = 0; i < 16; ++i) store16(dst + (c0 + i) * R + r0, r[i]);
+    }
 }
 
 // A (B, H, L, D) result laid out as (B, L, H, D): merging its heads back to (B, L, H·D), which
@@ -384,23 +365,122 @@ void check(const char *name, const at::Tensor &q, const at::Tensor &k, const at:
   }
 }
 
+// The float32 working copies of a pair's rows: (L, Dp) row-major and, for the queries, also
+// transposed (Dp, Lqp), zero-padded; the scores (Lk, Wq), Wq queries at a time; the results.
+struct Buffers {
+  int64_t Lq, Lk, Dp, Lqp, tile;
+  explicit Buffers(const Problem &p)
+      : Lq(p.Lq), Lk(p.Lk), Dp(padded(p.D)), Lqp(padded(p.Lq)),
+        tile(p.Lk * padded(std::min(p.Lq, kRows))) {}
+  int64_t forward_floats() const { return 2 * Lqp * Dp + 2 * Lk * Dp + tile + Lq * Dp; }
+  int64_t backward_floats() const { return 4 * Lqp * Dp + Lq * Dp + Lq + 4 * Lk * Dp + 3 * tile + Dp; }
+};
+
+template <typename T>
+FASTATTN_INLINE void forward_pairs(const Problem &p, const Rows<T> &q, const Rows<T> &k,
+                                   const Rows<T> &v, const Rows<T> &out, float *lse,
+                                   int64_t begin, int64_t end, float *buffer) {
+  const Buffers n(p);
+  float *Q = buffer, *Qt = Q + n.Lqp * n.Dp, *K = Qt + n.Dp * n.Lqp, *V = K + n.Lk * n.Dp;
+  float *St = V + n.Lk * n.Dp, *O = St + n.tile;
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const int64_t b = bh / p.H, h = bh % p.H;
+    if (bh + 1 < end) {
+      const int64_t b1 = (bh + 1) / p.H, h1 = (bh + 1) % p.H;
+      prefetch_rows(q.at(b1, h1), q.sl, p.Lq, p.D);
+      prefetch_rows(k.at(b1, h1), k.sl, p.Lk, p.D);
+      prefetch_rows(v.at(b1, h1), v.sl, p.Lk, p.D);
+    }
+    load_rows(q.at(b, h), q.sl, p.Lq, p.D, Q, n.Dp, n.Lqp);
+    transpose(Q, n.Lqp, n.Dp, Qt);
+    load_rows(k.at(b, h), k.sl, p.Lk, p.D, K, n.Dp, p.Lk);
+    load_rows(v.at(b, h), v.sl, p.Lk, p.D, V, n.Dp, p.Lk);
+    forward_head(p.at(b, h), K, V, Qt, St, O, lse + bh * p.Lq);
+    store_rows(O, n.Dp, p.Lq, p.D, out.at(b, h), out.sl);
+  }
+}
+
+template <typename T>
+FASTATTN_INLINE void backward_pairs(const Problem &p, const Rows<T> &dout, const Rows<T> &q,
+                                    const Rows<T> &k, const Rows<T> &v, const Rows<T> &out,
+                                    const float *lse, const Rows<T> &dq, const Rows<T> &dk,
+                                    const Rows<T> &dv, int64_t begin, int64_t end,
+                                    float *buffer) {
+  const Buffers n(p);
+  const int64_t rows = n.Lqp * n.Dp, keys = n.Lk * n.Dp;
+  float *Q = buffer, *dO = Q + rows, *Qt = dO + rows, *dOt = Qt + rows, *dQ = dOt + rows;
+  float *delta = dQ + n.Lq * n.Dp, *K = delta + n.Lq, *V = K + keys, *dK = V + keys;
+  float *dV = dK + keys, *Pt = dV + keys, *dSt = Pt + n.tile, *Pz = dSt + n.tile;
+  float *O = Pz + n.tile;
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const int64_t b = bh / p.H, h = bh % p.H;
+    if (bh + 1 < end) {
+      const int64_t b1 = (bh + 1) / p.H, h1 = (bh + 1) % p.H;
+      for (const Rows<T> *x : {&q, &dout, &out}) prefetch_rows(x->at(b1, h1), x->sl, p.Lq, p.D);
+      for (const Rows<T> *x : {&k, &v}) prefetch_rows(x->at(b1, h1), x->sl, p.Lk, p.D);
+    }
+    load_rows(q.at(b, h), q.sl, p.Lq, p.D, Q, n.Dp, n.Lqp);
+    load_rows(dout.at(b, h), dout.sl, p.Lq, p.D, dO, n.Dp, n.Lqp);
+    transpose(Q, n.Lqp, n.Dp, Qt);
+    transpose(dO, n.Lqp, n.Dp, dOt);
+    load_rows(k.at(b, h), k.sl, p.Lk, p.D, K, n.Dp, p.Lk);
+    load_rows(v.at(b, h), v.sl, p.Lk, p.D, V, n.Dp, p.Lk);
+    for (int64_t i = 0; i < p.Lq; ++i) {  // delta_i = do_i · out_i, one row of out at a time
+      load_rows(out.at(b, h) + i * out.sl, out.sl, 1, p.D, O, n.Dp, 1);
+      delta[i] = dot(dO + i * n.Dp, O, n.Dp);
+    }
+    backward_head(p.at(b, h), Q, K, V, dO, Qt, dOt, delta, lse + bh * p.Lq, Pt, dSt, Pz, dQ, dK,
+                  dV);
+    store_rows(dQ, n.Dp, p.Lq, p.D, dq.at(b, h), dq.sl);
+    store_rows(dK, n.Dp, p.Lk, p.D, dk.at(b, h), dk.sl);
+    store_rows(dV, n.Dp, p.Lk, p.D, dv.at(b, h), dv.sl);
+  }
+}
+
+// Pairs [begin, end), compiled for each instruction set (see FASTATTN_CLONES).
+FASTATTN_CLONES void forward_pairs_float(const Problem &p, const Rows<float> &q,
+                                         const Rows<float> &k, const Rows<float> &v,
+                                         const Rows<float> &out, float *lse, int64_t begin,
+                                         int64_t end, float *buffer) {
+  forward_pairs(p, q, k, v, out, lse, begin, end, buffer);
+}
+
+FASTATTN_CLONES void forward_pairs_bfloat16(const Problem &p, const Rows<c10::BFloat16> &q,
+                                            const Rows<c10::BFloat16> &k,
+                                            const Rows<c10::BFloat16> &v,
+                                            const Rows<c10::BFloat16> &out, float *lse,
+                                            int64_t begin, int64_t end, float *buffer) {
+  forward_pairs(p, q, k, v, out, lse, begin, end, buffer);
+}
+
+FASTATTN_CLONES void backward_pairs_float(const Problem &p, const Rows<float> &dout,
+                                          const Rows<float> &q, const Rows<float> &k,
+                                          const Rows<float> &v, const Rows<float> &out,
+                                          const float *lse, const Rows<float> &dq,
+                                          const Rows<float> &dk, const Rows<float> &dv,
+                                          int64_t begin, int64_t end, float *buffer) {
+  backward_pairs(p, dout, q, k, v, out, lse, dq, dk, dv, begin, end, buffer);
+}
+
+FASTATTN_CLONES void backward_pairs_bfloat16(
+    const Problem &p, const Rows<c10::BFloat16> &dout, const Rows<c10::BFloat16> &q,
+    const Rows<c10::BFloat16> &k, const Rows<c10::BFloat16> &v, const Rows<c10::BFloat16> &out,
+    const float *lse, const Rows<c10::BFloat16> &dq, const Rows<c10::BFloat16> &dk,
+    const Rows<c10::BFloat16> &dv, int64_t begin, int64_t end, float *buffer) {
+  backward_pairs(p, dout, q, k, v, out, lse, dq, dk, dv, begin, end, buffer);
+}
+
 template <typename T>
 void forward(const Problem &p, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
              at::Tensor &out, at::Tensor &lse) {
   const Rows<T> qr(q), kr(k), vr(v), outr(out);
   float *lse_data = lse.data_ptr<float>();
-  const int64_t Lq = p.Lq, Lk = p.Lk, D = p.D;
   at::parallel_for(0, p.B * p.H, p.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(2 * Lq * D + 2 * Lk * D + Lk);
-    float *Q = buffer.data(), *K = Q + Lq * D, *V = K + Lk * D, *O = V + Lk * D, *row = O + Lq * D;
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / p.H, h = bh % p.H;
-      load_rows(qr.at(b, h), qr.sl, Lq, D, Q);
-      load_rows(kr.at(b, h), kr.sl, Lk, D, K);
-      load_rows(vr.at(b, h), vr.sl, Lk, D, V);
-      forward_head(p.at(b, h), Q, K, V, row, O, lse_data + bh * Lq);
-      store_rows(O, Lq, D, outr.at(b, h), outr.sl);
-    }
+    std::vector<float> buffer(Buffers(p).forward_floats());
+    if constexpr (std::is_same_v<T, float>)
+      forward_pairs_float(p, qr, kr, vr, outr, lse_data, begin, end, buffer.data());
+    else
+      forward_pairs_bfloat16(p, qr, kr, vr, outr, lse_data, begin, end, buffer.data());
   });
 }
 
@@ -410,24 +490,14 @@ void backward(const Problem &p, const at::Tensor &grad_out, const at::Tensor &q,
               const at::Tensor &lse, at::Tensor &dq, at::Tensor &dk, at::Tensor &dv) {
   const Rows<T> qr(q), kr(k), vr(v), dor(grad_out), outr(out), dqr(dq), dkr(dk), dvr(dv);
   const float *lse_data = lse.data_ptr<float>();
-  const int64_t Lq = p.Lq, Lk = p.Lk, D = p.D;
   at::parallel_for(0, p.B * p.H, p.grain(), [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(4 * Lq * D + 4 * Lk * D + 3 * Lk);
-    float *Q = buffer.data(), *O = Q + Lq * D, *dO = O + Lq * D, *dQ = dO + Lq * D;
-    float *K = dQ + Lq * D, *V = K + Lk * D, *dK = V + Lk * D, *dV = dK + Lk * D;
-    float *row = dV + Lk * D, *dp = row + Lk, *pz = dp + Lk;
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / p.H, h = bh % p.H;
-      load_rows(qr.at(b, h), qr.sl, Lq, D, Q);
-      load_rows(kr.at(b, h), kr.sl, Lk, D, K);
-      load_rows(vr.at(b, h), vr.sl, Lk, D, V);
-      load_rows(outr.at(b, h), outr.sl, Lq, D, O);
-      load_rows(dor.at(b, h), dor.sl, Lq, D, dO);
-      backward_head(p.at(b, h), Q, K, V, O, dO, lse_data + bh * Lq, row, dp, pz, dQ, dK, dV);
-      store_rows(dQ, Lq, D, dqr.at(b, h), dqr.sl);
-      store_rows(dK, Lk, D, dkr.at(b, h), dkr.sl);
-      store_rows(dV, Lk, D, dvr.at(b, h), dvr.sl);
-    }
+    std::vector<float> buffer(Buffers(p).backward_floats());
+    if constexpr (std::is_same_v<T, float>)
+      backward_pairs_float(p, dor, qr, kr, vr, outr, lse_data, dqr, dkr, dvr, begin, end,
+                           buffer.data());
+    else
+      backward_pairs_bfloat16(p, dor, qr, kr, vr, outr, lse_data, dqr, dkr, dvr, begin, end,
+                              buffer.data());
   });
 }
 

@@ -35,6 +35,7 @@ FASTATTN_INLINE v8 load8(const float *p) { return *reinterpret_cast<const v8 *>(
 FASTATTN_INLINE void store8(float *p, v8 a) { *reinterpret_cast<v8 *>(p) = a; }
 
 FASTATTN_INLINE v16 load16(const float *p) { return *reinterpret_cast<const v16 *>(p); }
+FASTATTN_INLINE void store16(float *p, v16 a) { *reinterpret_cast<v16 *>(p) = a; }
 
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
@@ -122,6 +123,7 @@ FASTATTN_INLINE float exp_nonpositive(float x) {
 // The same for eight or sixteen floats at once.
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v16i __attribute__((vector_size(64), aligned(4)));
+typedef uint32_t v16u __attribute__((vector_size(64), aligned(4)));
 
 template <typename V, typename VI>
 FASTATTN_INLINE V exp_nonpositive_vector(V x) {

@@ -266,8 +266,9 @@ def test_registered_op_fake_and_autograd(seeded):
     (33, 17, 24, "bottom_right", "bool_broadcast"), (5, 9, 72, False, "float_broadcast_heads"),
 ])
 def test_native_cpu_attention(seeded, lq, lk, d, causal, mask_name, dtype):
-    """The CPU training path, fastattn._C's kernels, through attention(): head widths with
-    register-resident rows (8, 16, 32, 64) and the general loops (12, 24, 72), every mask kind."""
+    """The CPU training path, fastattn._C's kernels, through attention(): head widths that fill
+    their 16-float vectors (16, 32, 64) and that are padded to them (8, 12, 24, 72), queries over
+    two score tiles (97 > 64), every mask kind."""
     q, k, v = (x.requires_grad_() for x in _inputs(lq, lk, d, dtype))
     mask = None if mask_name is None else _masks(2, 3, lq, lk)[mask_name]
     assert _use_native(q, k, v, masked=True)
@@ -284,7 +285,8 @@ def test_native_cpu_attention(seeded, lq, lk, d, causal, mask_name, dtype):
 ])
 def test_native_cpu_attention_dropout(lq, lk, d, causal, mask_name, dtype):
     """fastattn._C's kernels with dropout: the mask they draw (cpu_dropout's, from the same seed)
-    explains the output and every gradient, head widths in registers (32) and general (24)."""
+    explains the output and every gradient, at a head width that fills its vectors (32) and at one
+    padded to them (24)."""
     p = 0.3
     q, k, v = (x.requires_grad_() for x in _inputs(lq, lk, d, dtype))
     mask = _masks(2, 3, lq, lk)[mask_name]
