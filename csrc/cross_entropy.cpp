@@ -56,14 +56,14 @@ FASTATTN_INLINE void cross_entropy_rows(const Rows<T> &a, int64_t row0, int64_t 
       total += x[j];
     }
     const float x_t = x[t];
-    // Pass 2: e^(x - max) in place, and its sum: the only exp of each logit.
-    v8 lane_exp{};
-    for (c = 0; c + 8 <= V; c += 8) {
-      const v8 e = exp_nonpositive(load8(x + c) - max);
-      store8(x + c, e);
+    // Pass 2: e^(x - max) in place, and its sum: the only exp of each logit, 16 at a time.
+    v16 lane_exp{};
+    for (c = 0; c + 16 <= V; c += 16) {
+      const v16 e = exp_nonpositive(load16(x + c) - max);
+      store16(x + c, e);
       lane_exp += e;
     }
-    float sum_exp = sum8(lane_exp);
+    float sum_exp = sum16(lane_exp);
     for (int64_t j = c; j < V; ++j) sum_exp += x[j] = exp_nonpositive(x[j] - max);
     const float lse = max + std::log(sum_exp), logp_t = x_t - lse;
     a.nll[row] = -logp_t;
