@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import DEVICE, DTYPES, QUICK, attention_flop, measure
+from fastattn._native import native
+from fastattn.kernels.attention import attention_reference
 from fastattn.ops import attention
 
 TOKENS, HEADS = (64, 2) if QUICK else (4096, 8)  # batch = TOKENS // length
@@ -97,4 +99,59 @@ def test_attention_memory(benchmark, impl, length):
         impl=impl,
         baseline="sdpa",
         length=length,
+    )
+
+
+# The CPU paths kernels/attention.py chooses among for a call that needs a gradient, forced:
+# fastattn._C's kernel, the explicit (materialised) product, and PyTorch's fused kernel. Its
+# dispatch follows these numbers.
+CPU_LENGTHS = [16, 32] if QUICK else [16, 32, 64, 128, 256, 512]
+CPU_MASKS = ["none", "causal", "key_padding"]
+
+
+def cpu_attention_call(impl, length, mask, dtype):
+    """A forward+backward closure of one CPU path at batch 4096 // length, 8 heads of 64."""
+    batch, heads, head_dim = max(1, TOKENS // length), HEADS, 64 if not QUICK else 16
+    q, k, v = (torch.randn(batch, heads, length, head_dim, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    grad_out = torch.randn_like(q)
+    causal = mask == "causal"
+    keep = None
+    if mask == "key_padding":  # each sequence keeps a random prefix of at least half its keys
+        lengths = torch.randint(length // 2 + 1, length + 1, (batch, 1, 1, 1))
+        keep = torch.arange(length) < lengths
+    if impl == "native":
+        bias = None if keep is None else (
+            torch.zeros(keep.shape).masked_fill_(~keep, float("-inf"))
+            .expand(batch, heads, length, length))
+        args = (bias, causal, 0, head_dim ** -0.5, 0.0, 0)
+
+        def run():
+            out, lse = torch.ops.fastattn.cpu_attention_fwd(q, k, v, *args)
+            return torch.ops.fastattn.cpu_attention_bwd(grad_out, q, k, v, out, lse, *args)
+        return run
+    if impl == "explicit":
+        fn = lambda: attention_reference(q, k, v, causal=causal, attn_mask=keep)
+    else:
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, attn_mask=keep)
+    return lambda: torch.autograd.grad(fn(), (q, k, v), grad_out)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or native is None,
+                    reason="compares the CPU paths; needs a CPU run with fastattn._C built")
+@pytest.mark.parametrize("impl", ["native", "explicit", "sdpa"])
+@pytest.mark.parametrize("length", CPU_LENGTHS, ids=lambda n: f"L{n}")
+@pytest.mark.parametrize("mask", CPU_MASKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cpu_attention_paths(benchmark, impl, length, mask, dtype):
+    fn = cpu_attention_call(impl, length, mask, getattr(torch, dtype))
+    batch = max(1, TOKENS // length)
+    measure(
+        benchmark,
+        fn,
+        group=f"cpu_attention_paths fwd+bwd {dtype} B={batch} H={HEADS} L={length} {mask}",
+        flop=attention_flop(batch, HEADS, length, length, 64 if not QUICK else 16,
+                            causal=mask == "causal", backward=True),
+        impl=impl,
+        baseline="explicit",
     )

@@ -17,10 +17,10 @@ difference: a query row that may attend to no key at all returns zeros and passe
   generator, and the backward regenerates the same mask: the Triton kernels from Philox, the CPU
   kernels from fastattn._C's counter-based hash (csrc/dropout.h, the one residual dropout uses).
 
-On CPU, masked or causal calls that need a gradient run fastattn._C's attention
-(csrc/attention.cpp: one task per (batch, head) pair, float32 inside) up to _CPU_NATIVE_MAX_KEYS
-keys, through the same torch.library ops and autograd as the Triton kernels; other CPU calls run
-PyTorch's ops, with the native dropout mask where fastattn._C is built.
+On CPU, calls that need a gradient and are masked, causal or float32 run fastattn._C's
+attention (csrc/attention.cpp: one task per (batch, head) pair, float32 inside; see
+_use_native), through the same torch.library ops and autograd as the Triton kernels; other CPU
+calls run PyTorch's ops, with the native dropout mask where fastattn._C is built.
 
 Sections, top to bottom: the Triton kernels, their block-size table, the launchers, the native
 CPU launchers, the torch.library registration with autograd, the PyTorch path, the public op, the
@@ -585,17 +585,16 @@ def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> to
 # ---------------------------------------------------------------------------------------------
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-# With a mask or causal, up to these key lengths fastattn._C's forward+backward beats PyTorch's
-# explicit product on CPU, whose masking and empty-row passes cost more than its products (about
-# 1.3-2x at 18-32 keys); at 128 keys it is about 10% behind, and further beyond. Without any mask
-# the plain explicit product is 2-3x faster than fastattn._C's (its batched GEMMs beat the
-# per-head loops), and inference runs PyTorch's fused kernel, faster without a backward.
-_CPU_NATIVE_MAX_KEYS = 64
 
 
 def _use_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool) -> bool:
+    """Whether a CPU call runs fastattn._C's kernel: when it needs a gradient, and is masked or
+    causal, or float32. benchmarks/bench_attention.py's cpu_attention_paths measured it faster
+    forward+backward than the explicit product and PyTorch's fused kernel at 16-512 keys, with
+    two exceptions left to PyTorch: unmasked bfloat16, where the explicit product's bf16 matrix
+    products are faster, and inference, where the fused kernel without a backward is."""
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (masked and backward and k.shape[2] <= _CPU_NATIVE_MAX_KEYS
+    return (backward and (masked or q.dtype == torch.float32)
             and native_cpu(q, dtypes=_NATIVE_DTYPES))
 
 
@@ -809,9 +808,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     "bottom_right" (j <= i + Lk - Lq). attn_mask: bool (True = attend) or float (added),
     broadcastable to (B, H, Lq, Lk); no gradient flows to it. scale defaults to D ** -0.5.
     Runs the Triton kernels (fp16, bf16, fp32; head dims up to 256) when
-    fastattn.backend.use_triton(q) says so; else, when a masked or causal call needs a gradient,
-    fastattn._C's CPU kernels (fp32, bf16; up to _CPU_NATIVE_MAX_KEYS keys); PyTorch otherwise
-    and for fp64.
+    fastattn.backend.use_triton(q) says so; else, when a masked, causal or fp32 call needs a
+    gradient, fastattn._C's CPU kernels (fp32, bf16); PyTorch otherwise and for fp64.
     """
     _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale)
     alignment = CAUSAL_ALIGNMENTS[causal]

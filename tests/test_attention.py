@@ -12,7 +12,6 @@ from conftest import INTERPRETED, assert_graded_close
 
 from fastattn._native import native_cpu
 from fastattn.kernels.attention import (
-    _CPU_NATIVE_MAX_KEYS,
     _attention_forward_op,
     _dropout_keep_mask,
     _use_native,
@@ -326,16 +325,18 @@ def test_native_op_registration(seeded):
 
 
 def test_native_cpu_attention_only_where_it_is_faster_and_exact():
-    """Unmasked calls (PyTorch's plain product is faster), inference (its fused kernel is faster
-    without a backward), longer keys and dtypes other than fp32/bf16 take the PyTorch path."""
-    def inputs(lk=_CPU_NATIVE_MAX_KEYS, dtype=torch.float32, grad=True):
+    """Masked, causal or fp32 calls that need a gradient run fastattn._C at any length; unmasked
+    bf16 (PyTorch's bf16 matrix products are faster), inference (its fused kernel is faster
+    without a backward) and dtypes other than fp32/bf16 take the PyTorch path."""
+    def inputs(lk=512, dtype=torch.float32, grad=True):
         q, k, v = _inputs(3, lk, 16, dtype)
         return q.requires_grad_(grad), k, v
 
     assert _use_native(*inputs(), masked=True) == NATIVE
-    assert not _use_native(*inputs(), masked=False)
+    assert _use_native(*inputs(), masked=False) == NATIVE
+    assert _use_native(*inputs(dtype=torch.bfloat16), masked=True) == NATIVE
+    assert not _use_native(*inputs(dtype=torch.bfloat16), masked=False)
     assert not _use_native(*inputs(grad=False), masked=True)
-    assert not _use_native(*inputs(lk=_CPU_NATIVE_MAX_KEYS + 1), masked=True)
     assert not _use_native(*inputs(dtype=torch.float16), masked=True)
     assert not _use_native(*inputs(dtype=torch.float64), masked=True)
     with torch.no_grad():

@@ -40,6 +40,7 @@ def test_benchmark_suite_collects_every_file():
     for name in (
         "bench_attention.py::test_attention[",
         "bench_attention.py::test_attention_memory[",
+        "bench_attention.py::test_cpu_attention_paths[",
         "bench_layer_norm.py::test_layer_norm_residual[",
         "bench_cross_entropy.py::test_label_smoothed_cross_entropy[",
         "bench_cross_entropy.py::test_linear_cross_entropy[",
