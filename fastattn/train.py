@@ -227,7 +227,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--precision", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
         help="auto: on GPUs bf16 autocast where supported, else fp16 with dynamic loss scaling; "
         "on CPUs bf16 autocast where a quick measurement finds bf16 matmuls at least "
-        f"{BF16_MIN_SPEEDUP}x faster than fp32 (AMX), else fp32")
+        f"{BF16_MIN_SPEEDUP}x faster than fp32 (AMX), else fp32; measured once for all "
+        "--members")
     add(g, "--threads", type=int, default=0,
         help="CPU threads per process (0: torch's choice, shared among the processes of --jobs)")
     add(g, "--device", default="auto", help="auto, cpu or cuda")
@@ -979,6 +980,20 @@ def member_jobs(args: argparse.Namespace) -> int:
     return min(args.jobs, args.members)
 
 
+def share_precision(args: argparse.Namespace, members: Sequence[argparse.Namespace]) -> None:
+    """--precision auto on a CPU outside torchrun: measured once, here, for every member, so that
+    members training side by side cannot pick different precisions (under torchrun rank 0 picks
+    for each member)."""
+    torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if args.precision != "auto" or args.device != "cpu" or torchrun:
+        return
+    autocast, _, why = pick_precision("auto", torch.device("cpu"))
+    name = "fp32" if autocast is None else "bf16"
+    print(f"every member trains in {name} ({why})", flush=True)
+    for member in members:
+        member.precision = name
+
+
 def train_members(members: Sequence[argparse.Namespace], job: int, jobs: int) -> Run:
     """Trains members job, job + jobs, job + 2·jobs, ... of the ensemble one after another, each
     resumable on its own with --resume; returns the last one's Run."""
@@ -1025,6 +1040,7 @@ def train_ensemble(args: argparse.Namespace) -> Run:
     members = [member_args(args, k) for k in range(args.members)]
     jobs = member_jobs(args)
     threads = torch.get_num_threads()
+    share_precision(args, members)
     if jobs > 1:
         import multiprocessing
 

@@ -547,6 +547,20 @@ def test_member_processes_end_when_the_run_is_killed(tmp_path):
     assert not any(map(_alive, children))
 
 
+def test_members_share_one_precision_measurement(monkeypatch):
+    calls = []
+    monkeypatch.setattr(train_module, "pick_precision",
+                        lambda name, device: calls.append(name) or (torch.bfloat16, False, "why"))
+    args = parse_args(["--members", "3", "--device", "cpu"])
+    members = [train_module.member_args(args, k) for k in range(3)]
+    train_module.share_precision(args, members)
+    assert calls == ["auto"] and [m.precision for m in members] == ["bf16"] * 3
+    fp32 = parse_args(["--members", "2", "--device", "cpu", "--precision", "fp32"])
+    members = [train_module.member_args(fp32, k) for k in range(2)]
+    train_module.share_precision(fp32, members)  # as asked: nothing measured
+    assert calls == ["auto"] and [m.precision for m in members] == ["fp32"] * 2
+
+
 def test_members_train_side_by_side_only_on_a_cpu_outside_torchrun(monkeypatch):
     threads = torch.get_num_threads()
     assert train_module.member_jobs(parse_args([])) == min(2, threads)
