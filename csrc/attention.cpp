@@ -36,8 +36,13 @@ FASTATTN_INLINE v16u load16u(const uint32_t *p) {
   return x;
 }
 
-// AVX-512 has 32 vector registers, AVX2 16: a tile of C keeps R · NV v16 accumulators in them.
-const bool kWideRegisters = __builtin_cpu_supports("avx512f");
+// AVX-512 has 32 vector registers, AVX2 16 (and NEON's 32 hold a quarter of a v16 each): a
+// tile of C keeps R · NV v16 accumulators in them.
+#if defined(__x86_64__) && defined(__GNUC__)
+const bool kWideRegisters = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+#else
+const bool kWideRegisters = false;
+#endif
 
 // C[r, :16 NV] (+)= sum_k A(r, k) B[k, :16 NV] for r < R, with A(r, k) = a[r · ai + k · ak]:
 // each vector of B is loaded once for R rows of C, whose accumulators stay in registers.

@@ -532,6 +532,7 @@ class Run:
         # when oneDNN first runs, below; a user's own setting wins.
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
         self.autocast, use_scaler, why = pick_precision(args.precision, self.device)
+        why = getattr(args, "precision_why", why)  # set by share_precision
         if self.distributed and self.device.type == "cpu":  # each rank measured: rank 0 decides
             use_bf16 = torch.tensor([self.autocast is not None])
             dist.broadcast(use_bf16, 0)
@@ -991,7 +992,7 @@ def share_precision(args: argparse.Namespace, members: Sequence[argparse.Namespa
     name = "fp32" if autocast is None else "bf16"
     print(f"every member trains in {name} ({why})", flush=True)
     for member in members:
-        member.precision = name
+        member.precision, member.precision_why = name, "measured once for every member"
 
 
 def train_members(members: Sequence[argparse.Namespace], job: int, jobs: int) -> Run:

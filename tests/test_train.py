@@ -555,6 +555,7 @@ def test_members_share_one_precision_measurement(monkeypatch):
     members = [train_module.member_args(args, k) for k in range(3)]
     train_module.share_precision(args, members)
     assert calls == ["auto"] and [m.precision for m in members] == ["bf16"] * 3
+    assert members[2].precision_why == "measured once for every member"
     fp32 = parse_args(["--members", "2", "--device", "cpu", "--precision", "fp32"])
     members = [train_module.member_args(fp32, k) for k in range(2)]
     train_module.share_precision(fp32, members)  # as asked: nothing measured
