@@ -3,8 +3,9 @@
 // is a small matrix product on them in 16-float vectors, one AVX-512 register. Scores are held
 // transposed, (keys, queries), with up to kRows queries across the lanes, so the softmax over
 // keys is lane-wise arithmetic with no sums across lanes: St = K Qᵀ and O = Pᵀ V forward; dPt =
-// V dOᵀ, dV = Pt dO, dK = dSt Q and dQ = dStᵀ K backward. The backward recomputes P from lse and
-// the dropout mask from its seed, as the Triton kernels do; memory grows linearly with lengths.
+// V dOᵀ, dV = Pt dO, dK = dSt Q and dQ = dStᵀ K backward. Causal blocks skip the keys none of
+// their queries sees. The backward recomputes P from lse and the dropout mask from its seed, as
+// the Triton kernels do; memory grows linearly with the lengths.
 #include "attention.h"
 
 #include <ATen/ATen.h>
@@ -110,6 +111,12 @@ struct Head {
   Dropout dropout;
   int64_t first_row;
 
+  // Keys query i may see: all, or those up to its causal limit (so a block of queries needs the
+  // keys its last query sees).
+  int64_t keys(int64_t i) const {
+    return causal ? std::clamp<int64_t>(i + shift + 1, 0, Lk) : Lk;
+  }
+
   // Key j's scores for queries i0 + c, c < wq (a multiple of 16; rows of them real), given their
   // products q_i · k_j: s_ij = scale · q_i · k_j + bias_ij, and -inf where causal hides j from i.
   FASTATTN_INLINE void scores(int64_t i0, int64_t rows, int64_t wq, int64_t j, float *s) const {
@@ -137,10 +144,11 @@ struct Head {
 // qᵀ (D, padded(Lq)), zero-padded; st (Lk, padded(min(Lq, kRows))) scores; o (Lq, Dp) the output.
 FASTATTN_INLINE void forward_head(const Head &a, const float *k, const float *v, const float *qt,
                                   float *st, float *o, float *lse) {
-  const int64_t D = a.D, Dp = padded(D), Lk = a.Lk, Lqp = padded(a.Lq);
+  const int64_t D = a.D, Dp = padded(D), Lqp = padded(a.Lq);
   constexpr int64_t V = kRows / kLanes;
   for (int64_t i0 = 0; i0 < a.Lq; i0 += kRows) {
     const int64_t rows = std::min(kRows, a.Lq - i0), wq = padded(rows), nv = wq / kLanes;
+    const int64_t Lk = a.keys(i0 + rows - 1);
     matmul(Lk, wq, D, k, Dp, 1, qt + i0, Lqp, st, wq, false);  // q_i · k_j
     v16 m[V], l[V];
     for (int64_t c = 0; c < nv; ++c) m[c] = v16{} - kInf, l[c] = v16{};
@@ -185,12 +193,13 @@ FASTATTN_INLINE void backward_head(const Head &a, const float *q, const float *k
                                    const float *dout, const float *qt, const float *doutt,
                                    const float *delta, const float *lse, float *pt, float *dst,
                                    float *pz, float *dq, float *dk, float *dv) {
-  const int64_t D = a.D, Dp = padded(D), Lk = a.Lk, Lqp = padded(a.Lq);
+  const int64_t D = a.D, Dp = padded(D), Lqp = padded(a.Lq);
   constexpr int64_t V = kRows / kLanes;
-  std::fill(dk, dk + Lk * Dp, 0.0f);
-  std::fill(dv, dv + Lk * Dp, 0.0f);
+  std::fill(dk, dk + a.Lk * Dp, 0.0f);
+  std::fill(dv, dv + a.Lk * Dp, 0.0f);
   for (int64_t i0 = 0; i0 < a.Lq; i0 += kRows) {
     const int64_t rows = std::min(kRows, a.Lq - i0), wq = padded(rows), nv = wq / kLanes;
+    const int64_t Lk = a.keys(i0 + rows - 1);
     matmul(Lk, wq, D, k, Dp, 1, qt + i0, Lqp, pt, wq, false);      // q_i · k_j
     matmul(Lk, wq, D, v, Dp, 1, doutt + i0, Lqp, dst, wq, false);  // do_i · v_j
     float lse_rows[kRows], delta_rows[kRows];  // +inf and 0 on the padding lanes
