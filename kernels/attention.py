@@ -590,9 +590,10 @@ _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 def _use_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool) -> bool:
     """Whether a CPU call runs fastattn._C's kernel: when it needs a gradient, and is masked or
     causal, or float32. benchmarks/bench_attention.py's cpu_attention_paths measured it faster
-    forward+backward than the explicit product and PyTorch's fused kernel at 16-512 keys, with
-    two exceptions left to PyTorch: unmasked bfloat16, where the explicit product's bf16 matrix
-    products are faster, and inference, where the fused kernel without a backward is."""
+    forward+backward than the explicit product and PyTorch's fused kernel at 32-512 keys (at 16
+    its fp32 figures scatter around the explicit product's), with two exceptions left to PyTorch:
+    unmasked bfloat16, where the explicit product's bf16 matrix products are faster, and
+    inference, where the fused kernel without a backward is."""
     backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     return (backward and (masked or q.dtype == torch.float32)
             and native_cpu(q, dtypes=_NATIVE_DTYPES))
