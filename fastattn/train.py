@@ -201,7 +201,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--jobs", type=int, default=0, metavar="J",
         help="ensemble members trained at once on a CPU, each in a process of its own with "
         "--threads threads (default: the CPU threads shared among them, at least one each); 0: "
-        "all of them; 1: one after another (always so on GPUs and under torchrun)")
+        "all of them, up to two per CPU thread; 1: one after another (always so on GPUs and "
+        "under torchrun)")
 
     g = parser.add_argument_group("optimisation")
     add(g, "--lr-scale", type=float, default=2.5, help="multiplies the paper's schedule")
@@ -969,13 +970,14 @@ def member_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
 
 def member_jobs(args: argparse.Namespace) -> int:
     """How many ensemble members train at once, each in a process of its own: by default all of
-    them, but only on a CPU outside torchrun. There one-thread processes outrun one process with
-    the threads (small ops leave cores idle that another process fills), and with more members
-    than threads the time-sliced processes lose less than taking turns would, which leaves cores
-    idle at the end (on 2 cores: three processes 0.94x the tokens/s of two)."""
+    them, up to two per CPU thread (each process holds a step's activations, about 2.3 GB in the
+    default recipe), but only on a CPU outside torchrun. There one-thread processes outrun one
+    process with the threads (small ops leave cores idle that another process fills), and with
+    more members than threads the time-sliced processes lose less than taking turns would, which
+    leaves cores idle at the end (on 2 cores: three processes 0.94x the tokens/s of two)."""
     alone_on_cpu = args.device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
     if args.jobs == 0:
-        return args.members if alone_on_cpu else 1
+        return min(args.members, 2 * torch.get_num_threads()) if alone_on_cpu else 1
     if args.jobs > 1 and not alone_on_cpu:
         raise SystemExit("error: --jobs > 1 trains members side by side on a CPU, in one "
                          "process each; not on a GPU or under torchrun")
