@@ -24,8 +24,9 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -199,10 +200,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "their next-token distributions (not in the paper), saved as "
         "SAVE_DIR/checkpoint_final.pt")
     add(g, "--jobs", type=int, default=0, metavar="J",
-        help="ensemble members trained at once on a CPU, each in a process of its own with "
-        "--threads threads (default: the CPU threads shared among them, at least one each); 0: "
-        "all of them, up to two per CPU thread; 1: one after another (always so on GPUs and "
-        "under torchrun)")
+        help="jobs training the ensemble's members at once on a CPU, each a process of its own "
+        "with --threads threads (default: the CPU threads shared among them, at least one "
+        "each); the members' updates are shared out evenly, so a member may pause in one job "
+        "and finish in another; 0: one job per CPU thread, up to one per member; 1: one member "
+        "after another (always so on GPUs and under torchrun)")
 
     g = parser.add_argument_group("optimisation")
     add(g, "--lr-scale", type=float, default=2.5, help="multiplies the paper's schedule")
@@ -753,7 +755,9 @@ class Run:
             args.max_epochs > 0 and self.epoch >= args.max_epochs
         )
 
-    def train(self) -> None:
+    def train(self, until: int | None = None) -> None:
+        """Trains to the end, or pauses after update `until` with a checkpoint there (an ensemble
+        member whose updates two jobs share)."""
         args = self.args
         if self.main and not args.no_progress:
             from tqdm import tqdm
@@ -763,7 +767,7 @@ class Run:
         self.model.train()
         window = new_window()
         updates = self.updates()
-        while not self.finished():
+        while not self.finished() and (until is None or self.step < until):
             batches = next(updates)
             lr = learning_rate(self.step + 1, self.config.d_model, args.warmup, args.lr_scale)
             for group in self.optimizer.param_groups:
@@ -969,19 +973,54 @@ def member_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
 
 
 def member_jobs(args: argparse.Namespace) -> int:
-    """How many ensemble members train at once, each in a process of its own: by default all of
-    them, up to two per CPU thread (each process holds a step's activations, about 2.3 GB in the
-    default recipe), but only on a CPU outside torchrun. There one-thread processes outrun one
-    process with the threads (small ops leave cores idle that another process fills), and with
-    more members than threads the time-sliced processes lose less than taking turns would, which
-    leaves cores idle at the end (on 2 cores: three processes 0.94x the tokens/s of two)."""
+    """How many jobs train the ensemble's members, each a process of its own: by default one per
+    CPU thread (up to one per member), but only on a CPU outside torchrun. There one-thread
+    processes outrun one process with the threads (small ops leave cores idle that another
+    process fills), and more processes than threads lose to time-slicing (on 2 cores: three
+    processes 0.94x the tokens/s of two); member_stints shares the members out evenly."""
     alone_on_cpu = args.device == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) == 1
     if args.jobs == 0:
-        return min(args.members, 2 * torch.get_num_threads()) if alone_on_cpu else 1
+        return min(args.members, torch.get_num_threads()) if alone_on_cpu else 1
     if args.jobs > 1 and not alone_on_cpu:
         raise SystemExit("error: --jobs > 1 trains members side by side on a CPU, in one "
                          "process each; not on a GPU or under torchrun")
     return min(args.jobs, args.members)
+
+
+@dataclass(frozen=True)
+class Stint:
+    """Ensemble member `member` (0-based) trained by one job from update `start` (its checkpoint
+    there, unless 0) to update `stop`, where it pauses, or to its end (None)."""
+
+    member: int
+    start: int = 0
+    stop: int | None = None
+
+
+def member_stints(members: int, updates: int, jobs: int, grid: int) -> list[list[Stint]]:
+    """Each job's stints, in order, so that the jobs end together and no core idles at the end.
+
+    The members' updates are laid end to end and cut into `jobs` equal shares (McNaughton's
+    wrap-around rule), each cut rounded to `grid` updates (the checkpoint interval). A member cut
+    in two trains its first updates at the head of the later job's share and the rest, resumed
+    from its checkpoint (resuming is exact), at the tail of the earlier job's; a share is at
+    least one member long, so the head ends before the tail starts."""
+    plan: list[list[Stint]] = [[] for _ in range(jobs)]
+    job = 0
+    for k in range(members):
+        room = Fraction((job + 1) * members * updates, jobs) - k * updates  # left in job's share
+        if room >= updates:
+            plan[job].append(Stint(k))
+            job += room == updates
+            continue
+        tail = min(updates, round(room / grid) * grid)
+        head = updates - tail
+        if tail:
+            plan[job].append(Stint(k, start=head) if head else Stint(k))
+        job += 1
+        if head:
+            plan[job].append(Stint(k, stop=head) if tail else Stint(k))
+    return plan
 
 
 def share_precision(args: argparse.Namespace, members: Sequence[argparse.Namespace]) -> None:
@@ -998,27 +1037,58 @@ def share_precision(args: argparse.Namespace, members: Sequence[argparse.Namespa
         member.precision, member.precision_why = name, "measured once for every member"
 
 
-def train_members(members: Sequence[argparse.Namespace], job: int, jobs: int) -> Run:
-    """Trains members job, job + jobs, job + 2·jobs, ... of the ensemble one after another, each
-    resumable on its own with --resume; returns the last one's Run."""
-    for k in range(job, len(members), jobs):
-        member = members[k]
+class Stopped(Exception):
+    """Another job stopped before the paused member this job was to carry on."""
+
+
+@dataclass
+class Shared:
+    """What the jobs of an ensemble share: per member, an event set when its head stint has
+    paused and a flag set when it has finished; and an event set when any job fails."""
+
+    paused: list[Any]
+    finished: Any
+    failed: Any
+
+    def wait_for_head(self, k: int, others_failed: Callable[[], bool]) -> None:
+        while not self.paused[k].wait(1.0):
+            if self.failed.is_set() or others_failed():
+                raise Stopped
+
+
+def train_stints(members: Sequence[argparse.Namespace], stints: Sequence[Stint], job: int,
+                 jobs: int, shared: Shared | None,
+                 others_failed: Callable[[], bool] = lambda: False) -> Run:
+    """Trains one job's stints of the ensemble's members in turn; returns the last one's Run."""
+    run = None
+    for stint in stints:
+        k, member = stint.member, members[stint.member]
+        if stint.start:  # the member's head stint ran in another job
+            shared.wait_for_head(k, others_failed)
+            member = argparse.Namespace(**{**vars(member), "resume": True})
         if int(os.environ.get("RANK", "0")) == 0:
+            carry_on = f", from update {stint.start}" if stint.start else ""
             print(f"ensemble member {k + 1} of {len(members)}: seed {member.seed}, "
-                  f"{member.save_dir}", flush=True)
-        run = Run(member, name=f"member {k + 1}" if jobs > 1 else "", bar_row=job)
-        run.train()
-        run.finish()
-        if k + jobs < len(members):
+                  f"{member.save_dir}{carry_on}", flush=True)
+        if run is not None:
             del run
             gc.collect()
+        run = Run(member, name=f"member {k + 1}" if jobs > 1 else "", bar_row=job)
+        run.train(until=stint.stop)
+        if stint.stop is not None:
+            run.log(f"paused at update {run.step}: another job trains the rest")
+            shared.paused[k].set()
+        else:
+            run.finish()
+            if shared is not None:
+                shared.finished[k] = 1
     return run
 
 
-def _member_job(members: Sequence[argparse.Namespace], job: int, jobs: int, parent: int,
-                bar_lock) -> None:
-    """A child process's share of the members. It ends when the run's process does, however that
-    ends (Linux: SIGTERM on the parent's death, even by SIGKILL); checkpoints are atomic."""
+def _member_job(members: Sequence[argparse.Namespace], stints: Sequence[Stint], job: int,
+                jobs: int, shared: Shared, parent: int, bar_lock) -> None:
+    """A child process's stints. It ends when the run's process does, however that ends
+    (Linux: SIGTERM on the parent's death, even by SIGKILL); checkpoints are atomic."""
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
@@ -1033,24 +1103,35 @@ def _member_job(members: Sequence[argparse.Namespace], job: int, jobs: int, pare
         tqdm.set_lock(bar_lock)
     try:
         with one_line_errors():
-            train_members(members, job, jobs)
+            train_stints(members, stints, job, jobs, shared)
+    except Stopped:
+        sys.exit(1)
     except KeyboardInterrupt:
+        shared.failed.set()
         sys.exit(130)
+    except BaseException:
+        shared.failed.set()
+        raise
 
 
 def train_ensemble(args: argparse.Namespace) -> Run:
-    """--members N > 1: N runs, --jobs of them at a time in processes of their own (this one and
-    children), then their final models as one ensemble checkpoint, scored like a final model."""
+    """--members N > 1: N runs shared out among --jobs processes (this one and children) by
+    member_stints, then their final models as one ensemble checkpoint, scored like a final
+    model."""
     members = [member_args(args, k) for k in range(args.members)]
     jobs = member_jobs(args)
+    plan = member_stints(args.members, args.max_updates, jobs, args.save_every or 1)
     threads = torch.get_num_threads()
     share_precision(args, members)
+    children, shared = [], None
     if jobs > 1:
         import multiprocessing
 
         for member in members:
             member.threads = args.threads or max(1, threads // jobs)
         spawn = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools
+        shared = Shared([spawn.Event() for _ in members], spawn.Array("b", len(members)),
+                        spawn.Event())
         bar_lock = None
         if not args.no_progress:  # bars of several processes, each on its own row
             from tqdm import tqdm
@@ -1058,23 +1139,28 @@ def train_ensemble(args: argparse.Namespace) -> Run:
             bar_lock = spawn.RLock()
             tqdm.set_lock(bar_lock)
         children = [spawn.Process(target=_member_job, name=f"fastattn member job {j + 1}",
-                                  args=(members, j, jobs, os.getpid(), bar_lock))
+                                  args=(members, plan[j], j, jobs, shared, os.getpid(),
+                                        bar_lock))
                     for j in range(1, jobs)]
         for child in children:
             child.start()
-    else:
-        children = []
+    child_failed = lambda: any(child.exitcode not in (None, 0) for child in children)  # noqa: E731
     try:
-        run = train_members(members, 0, jobs)
-        for child in children:
-            child.join()
+        try:
+            run = train_stints(members, plan[0], 0, jobs, shared, child_failed)
+        except Stopped:
+            run = None
+        while any(child.is_alive() for child in children):
+            for child in children:
+                child.join(1.0)
+            if child_failed():  # a child waiting to carry on a failed one's member stops too
+                shared.failed.set()
     finally:  # this process failed: stop the others (their checkpoints stay)
         for child in children:
             if child.is_alive():
                 child.terminate()
                 child.join()
-    failed = [k + 1 for j, child in enumerate(children, 1) if child.exitcode != 0
-              for k in range(j, len(members), jobs)]
+    failed = [k + 1 for k in range(len(members)) if shared is not None and not shared.finished[k]]
     if failed:
         raise SystemExit(f"error: ensemble member{'s' * (len(failed) > 1)} "
                          f"{', '.join(map(str, failed))} stopped before finishing (the error is "

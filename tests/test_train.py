@@ -433,20 +433,27 @@ def test_the_final_model_and_test_decoding_use_the_chosen_alpha(tmp_path):
 def test_members_train_side_by_side_or_in_turn_and_the_final_model_is_their_ensemble(tmp_path):
     paths = corpus(tmp_path, lines=60)
     run_dir = tmp_path / "run"
-    flags = ["--members", 2, "--seed", 5, "--max-updates", 4, "--save-every", 2]
+    flags = ["--members", 3, "--seed", 5, "--max-updates", 4, "--save-every", 2]
     command = train_command(paths, run_dir, *flags, "--plot", tmp_path / "curves.png")
     first = subprocess.run([*command, "--jobs", "2"], capture_output=True, text=True, timeout=600,
                            env=TORCH_OPS)
     assert first.returncode == 0, first.stderr
     reports = [line for line in first.stdout.splitlines() if "checkpoint: " in line]
     # Side by side, the members' lines interleave, each named; the ensemble's come last.
-    assert sorted(reports[:2]) == [
-        f"member 1: checkpoint: {run_dir / 'member1' / 'checkpoint_final.pt'}",
-        f"member 2: checkpoint: {run_dir / 'member2' / 'checkpoint_final.pt'}"]
-    assert reports[2:] == [f"checkpoint: {run_dir / 'checkpoint_final.pt'}"]
+    assert sorted(reports[:3]) == [
+        f"member {k}: checkpoint: {run_dir / f'member{k}' / 'checkpoint_final.pt'}"
+        for k in (1, 2, 3)]
+    assert reports[3:] == [f"checkpoint: {run_dir / 'checkpoint_final.pt'}"]
+    # Two jobs share twelve updates: member 2 trains its first two in job 2, before member 3,
+    # and its last two in job 1, after member 1, resumed from its checkpoint at update 2.
+    assert "member 2: paused at update 2: another job trains the rest" in first.stdout
+    assert (f"ensemble member 2 of 3: seed 6, {run_dir / 'member2'}, from update 2"
+            in first.stdout)
+    assert (f"member 2: resumed from {run_dir / 'member2' / 'checkpoint_00000002.pt'} at "
+            "update 2" in first.stdout)
     finals = [checkpoint.load_checkpoint(run_dir / f"member{k}" / "checkpoint_final.pt")
-              for k in (1, 2)]
-    assert [f["meta"]["args"]["seed"] for f in finals] == [5, 6]
+              for k in (1, 2, 3)]
+    assert [f["meta"]["args"]["seed"] for f in finals] == [5, 6, 7]
     assert not torch.equal(finals[0]["model"]["embedding.weight"],
                            finals[1]["model"]["embedding.weight"])
     ensemble = checkpoint.load_checkpoint(run_dir / "checkpoint_final.pt")
@@ -454,7 +461,7 @@ def test_members_train_side_by_side_or_in_turn_and_the_final_model_is_their_ense
     for k, final in enumerate(finals):
         for name, tensor in final["model"].items():
             assert torch.equal(ensemble["model"][f"members.{k}.{name}"], tensor), name
-    for k in (1, 2):
+    for k in (1, 2, 3):
         assert sorted(losses(run_dir / f"member{k}" / "metrics.jsonl")) == [1, 2, 3, 4]
     [score] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     lines = first.stdout.splitlines()
@@ -467,7 +474,7 @@ def test_members_train_side_by_side_or_in_turn_and_the_final_model_is_their_ense
     in_turn = subprocess.run(train_command(paths, in_turn_dir, *flags, "--jobs", 1),
                              capture_output=True, text=True, timeout=600, env=TORCH_OPS)
     assert in_turn.returncode == 0, in_turn.stderr
-    assert "ensemble member 2 of 2" in in_turn.stdout and "member 2: " not in in_turn.stdout
+    assert "ensemble member 3 of 3" in in_turn.stdout and "member 2: " not in in_turn.stdout
     same = checkpoint.load_checkpoint(in_turn_dir / "checkpoint_final.pt")
     for name, tensor in ensemble["model"].items():
         assert torch.equal(same["model"][name], tensor), name
@@ -486,20 +493,25 @@ def test_members_train_side_by_side_or_in_turn_and_the_final_model_is_their_ense
 
 
 @pytest.mark.slow
-def test_a_member_that_fails_side_by_side_stops_the_run_and_the_others_work_is_kept(tmp_path):
+@pytest.mark.parametrize(("members", "stopped"), [(2, "member 2"), (3, "members 2, 3")])
+def test_a_member_that_fails_side_by_side_stops_the_run_and_the_others_work_is_kept(
+        tmp_path, members, stopped):
+    # With three members on two jobs, member 2's head fails in job 2: member 3 never starts, and
+    # job 1, done with member 1, stops instead of waiting to carry member 2 on.
     paths = corpus(tmp_path, lines=40)
     run_dir = tmp_path / "run"
     (run_dir / "member2").mkdir(parents=True)
     (run_dir / "member2" / "checkpoint_00000004.pt").write_bytes(b"fastattn-checkpoint 00 9\nx")
     result = subprocess.run(
-        [*train_command(paths, run_dir, "--members", 2, "--max-updates", 2, "--save-every", 1),
-         "--jobs", "2", "--resume"], capture_output=True, text=True, timeout=600, env=TORCH_OPS)
+        [*train_command(paths, run_dir, "--members", members, "--max-updates", 2,
+                        "--save-every", 1), "--jobs", "2", "--resume"],
+        capture_output=True, text=True, timeout=600, env=TORCH_OPS)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     errors = result.stderr.strip().splitlines()
     assert len(errors) == 2, result.stderr
     assert "checkpoint_00000004.pt" in errors[0] and "truncated or corrupt" in errors[0]
-    assert errors[1] == ("error: ensemble member 2 stopped before finishing (the error is "
+    assert errors[1] == (f"error: ensemble {stopped} stopped before finishing (the error is "
                          "above); --resume continues from the last checkpoints")
     assert (run_dir / "member1" / "checkpoint_final.pt").exists()  # member 1 trained to the end
     assert not (run_dir / "checkpoint_final.pt").exists()
@@ -564,8 +576,8 @@ def test_members_share_one_precision_measurement(monkeypatch):
 
 def test_members_train_side_by_side_only_on_a_cpu_outside_torchrun(monkeypatch):
     threads = torch.get_num_threads()
-    assert train_module.member_jobs(parse_args([])) == min(3, 2 * threads)  # 3 on 2 threads
-    assert train_module.member_jobs(parse_args(["--members", "99"])) == 2 * threads
+    assert train_module.member_jobs(parse_args([])) == min(3, threads)  # 2 on 2 threads
+    assert train_module.member_jobs(parse_args(["--members", "99"])) == threads
     assert train_module.member_jobs(parse_args(["--members", "1"])) == 1
     assert train_module.member_jobs(parse_args(["--members", "3", "--jobs", "5"])) == 3
     assert train_module.member_jobs(parse_args(["--jobs", "1"])) == 1
@@ -576,6 +588,40 @@ def test_members_train_side_by_side_only_on_a_cpu_outside_torchrun(monkeypatch):
     assert train_module.member_jobs(parse_args([])) == 1
     with pytest.raises(SystemExit, match="not on a GPU or under torchrun"):
         train_module.member_jobs(parse_args(["--jobs", "2"]))
+
+
+def test_member_stints_share_the_updates_evenly_and_heads_come_before_tails():
+    Stint = train_module.Stint
+    stints = train_module.member_stints
+    # The default on 2 threads: member 2's first half in job 2, its second half after member 1.
+    assert stints(3, 8000, 2, 200) == [[Stint(0), Stint(1, start=4000)],
+                                       [Stint(1, stop=4000), Stint(2)]]
+    assert stints(3, 8000, 1, 200) == [[Stint(0), Stint(1), Stint(2)]]
+    assert stints(2, 8000, 2, 200) == [[Stint(0)], [Stint(1)]]
+    assert stints(4, 8000, 2, 200) == [[Stint(0), Stint(1)], [Stint(2), Stint(3)]]
+    # Cuts round to the checkpoint grid: 32,000 / 3 = 10,666.7 -> 10,600 and 21,400.
+    assert stints(4, 8000, 3, 200) == [[Stint(0), Stint(1, start=5400)],
+                                       [Stint(1, stop=5400), Stint(2, start=2600)],
+                                       [Stint(2, stop=2600), Stint(3)]]
+    assert stints(3, 5, 2, 10) == [[Stint(0)], [Stint(1), Stint(2)]]  # a grid wider than members
+    for members, updates, jobs, grid in [(5, 1000, 2, 1), (7, 300, 4, 7), (9, 17, 5, 1)]:
+        plan = stints(members, updates, jobs, grid)
+        spans = sorted((s.member, s.start, s.stop or updates) for job in plan for s in job)
+        joined = {}
+        for k, start, stop in spans:  # every member's updates exactly once, in order
+            assert joined.get(k, 0) == start
+            joined[k] = stop
+        assert joined == dict.fromkeys(range(members), updates)
+        loads = [sum((s.stop or updates) - s.start for s in job) for job in plan]
+        assert max(loads) - min(loads) <= 2 * grid
+        for job in plan:
+            for later, stint in enumerate(job):
+                if stint.start:  # a tail: its head opens another job, no longer than what precedes
+                    [head] = [h for other in plan for h in other if h.member == stint.member
+                              and h.stop == stint.start]
+                    before = sum((s.stop or updates) - s.start for s in job[:later])
+                    assert head.stop <= before
+                assert not stint.stop or later == 0  # a head opens its job
 
 
 def run_cli(*argv):
