@@ -15,8 +15,8 @@ namespace fastattn {
 namespace {
 
 // out = residual + dropout(x) over one row of n; returns the row's sum.
-template <bool kDropout, bool kResidual>
-FASTATTN_INLINE float add_row(const float *x, const float *r, float *out, int64_t n,
+template <bool kDropout, bool kResidual, typename X>
+FASTATTN_INLINE float add_row(const X *x, const float *r, float *out, int64_t n,
                               const Dropout &d, uint32_t key) {
   v8 acc{};
   int64_t c = 0;
@@ -29,7 +29,7 @@ FASTATTN_INLINE float add_row(const float *x, const float *r, float *out, int64_
   }
   float total = sum8(acc);
   for (; c < n; ++c) {
-    float v = x[c];
+    float v = static_cast<float>(x[c]);
     if constexpr (kDropout) v = d.apply1(v, key, c);
     if constexpr (kResidual) v += r[c];
     out[c] = v;
@@ -50,8 +50,10 @@ FASTATTN_INLINE float centered_square_sum(const float *s, int64_t n, float mean)
   return total;
 }
 
+// x is float32 or (under CPU autocast, where it is a matmul's output) bfloat16: xb set, x null.
 struct Rows {
   const float *x, *r, *w, *b;  // w and b are never null: ones and zeros stand in
+  const c10::BFloat16 *xb;
   int64_t sx, sr, n;
   Dropout d;
 };
@@ -62,12 +64,13 @@ struct Forward : Rows {
   float eps;
 };
 
-template <bool kDropout, bool kResidual>
-FASTATTN_INLINE void forward_rows_impl(const Forward &a, int64_t row0, int64_t row1) {
+template <bool kDropout, bool kResidual, typename X>
+FASTATTN_INLINE void forward_rows_impl(const Forward &a, const X *x, int64_t row0,
+                                       int64_t row1) {
   const int64_t n = a.n;
   for (int64_t row = row0; row < row1; ++row) {
     float *y = a.y + row * a.sy;
-    const float total = add_row<kDropout, kResidual>(a.x + row * a.sx, a.r + row * a.sr, y, n,
+    const float total = add_row<kDropout, kResidual>(x + row * a.sx, a.r + row * a.sr, y, n,
                                                      a.d, kDropout ? a.d.key(row) : 0);
     const float mean = total / n;
     const float rstd = 1.0f / std::sqrt(centered_square_sum(y, n, mean) / n + a.eps);
@@ -81,29 +84,36 @@ FASTATTN_INLINE void forward_rows_impl(const Forward &a, int64_t row0, int64_t r
   }
 }
 
-FASTATTN_CLONES void forward_rows(const Forward &a, int64_t row0, int64_t row1) {
+template <typename X>
+FASTATTN_INLINE void forward_rows_of(const Forward &a, const X *x, int64_t row0, int64_t row1) {
   const bool residual = a.r != nullptr;
-  if (a.d.on && residual) return forward_rows_impl<true, true>(a, row0, row1);
-  if (a.d.on) return forward_rows_impl<true, false>(a, row0, row1);
-  if (residual) return forward_rows_impl<false, true>(a, row0, row1);
-  forward_rows_impl<false, false>(a, row0, row1);
+  if (a.d.on && residual) return forward_rows_impl<true, true>(a, x, row0, row1);
+  if (a.d.on) return forward_rows_impl<true, false>(a, x, row0, row1);
+  if (residual) return forward_rows_impl<false, true>(a, x, row0, row1);
+  forward_rows_impl<false, false>(a, x, row0, row1);
+}
+
+FASTATTN_CLONES void forward_rows(const Forward &a, int64_t row0, int64_t row1) {
+  if (a.xb != nullptr) return forward_rows_of(a, a.xb, row0, row1);
+  forward_rows_of(a, a.x, row0, row1);
 }
 
 struct Backward : Rows {
   const float *dy, *dsum, *mean, *rstd;  // dsum may be null
   float *dx, *dr, *dw, *db;  // dx, dr contiguous, dr null when it equals dx; dw, db: the block's
+  c10::BFloat16 *dxb;        // dx in x's dtype: dxb for bfloat16 x, dx null
   int64_t sdy, sdsum;
 };
 
 // One block of rows: dx, dr, and the block's partial dweight, dbias (accumulated into a.dw, a.db).
 // `work` holds a row: the recomputed sum, then x̂.
-template <bool kDropout, bool kResidual>
-FASTATTN_INLINE void backward_rows_impl(const Backward &a, int64_t row0, int64_t row1,
-                                        float *work) {
+template <bool kDropout, bool kResidual, typename X>
+FASTATTN_INLINE void backward_rows_impl(const Backward &a, const X *x, X *dx_rows, int64_t row0,
+                                        int64_t row1, float *work) {
   const int64_t n = a.n;
   for (int64_t row = row0; row < row1; ++row) {
     const uint32_t key = kDropout ? a.d.key(row) : 0;
-    add_row<kDropout, kResidual>(a.x + row * a.sx, a.r + row * a.sr, work, n, a.d, key);
+    add_row<kDropout, kResidual>(x + row * a.sx, a.r + row * a.sr, work, n, a.d, key);
     const float mean = a.mean[row], rstd = a.rstd[row];
     const float *dy = a.dy + row * a.sdy;
     // With g = dy · w and x̂ = (s - mean) · rstd: ds = rstd · (g - mean(g) - x̂ · mean(g · x̂)).
@@ -128,7 +138,8 @@ FASTATTN_INLINE void backward_rows_impl(const Backward &a, int64_t row0, int64_t
     }
     const float mean_g = sum_g / n, mean_gx = sum_gx / n;
     const float *dsum = a.dsum == nullptr ? nullptr : a.dsum + row * a.sdsum;
-    float *dx = a.dx + row * n, *dr = a.dr == nullptr ? nullptr : a.dr + row * n;
+    X *dx = dx_rows + row * n;
+    float *dr = a.dr == nullptr ? nullptr : a.dr + row * n;
     for (c = 0; c + 8 <= n; c += 8) {
       v8 ds = (load8(dy + c) * load8(a.w + c) - mean_g - load8(work + c) * mean_gx) * rstd;
       if (dsum != nullptr) ds += load8(dsum + c);
@@ -139,17 +150,24 @@ FASTATTN_INLINE void backward_rows_impl(const Backward &a, int64_t row0, int64_t
       float ds = (dy[c] * a.w[c] - mean_g - work[c] * mean_gx) * rstd;
       if (dsum != nullptr) ds += dsum[c];
       if (dr != nullptr) dr[c] = ds;
-      dx[c] = kDropout ? a.d.apply1(ds, key, c) : ds;
+      dx[c] = static_cast<X>(kDropout ? a.d.apply1(ds, key, c) : ds);
     }
   }
 }
 
-FASTATTN_CLONES void backward_rows(const Backward &a, int64_t row0, int64_t row1, float *work) {
+template <typename X>
+FASTATTN_INLINE void backward_rows_of(const Backward &a, const X *x, X *dx, int64_t row0,
+                                      int64_t row1, float *work) {
   const bool residual = a.r != nullptr;
-  if (a.d.on && residual) return backward_rows_impl<true, true>(a, row0, row1, work);
-  if (a.d.on) return backward_rows_impl<true, false>(a, row0, row1, work);
-  if (residual) return backward_rows_impl<false, true>(a, row0, row1, work);
-  backward_rows_impl<false, false>(a, row0, row1, work);
+  if (a.d.on && residual) return backward_rows_impl<true, true>(a, x, dx, row0, row1, work);
+  if (a.d.on) return backward_rows_impl<true, false>(a, x, dx, row0, row1, work);
+  if (residual) return backward_rows_impl<false, true>(a, x, dx, row0, row1, work);
+  backward_rows_impl<false, false>(a, x, dx, row0, row1, work);
+}
+
+FASTATTN_CLONES void backward_rows(const Backward &a, int64_t row0, int64_t row1, float *work) {
+  if (a.xb != nullptr) return backward_rows_of(a, a.xb, a.dxb, row0, row1, work);
+  backward_rows_of(a, a.x, a.dx, row0, row1, work);
 }
 
 FASTATTN_CLONES void dropout_rows(const float *x, float *y, int64_t row0, int64_t row1, int64_t n,
@@ -159,12 +177,27 @@ FASTATTN_CLONES void dropout_rows(const float *x, float *y, int64_t row0, int64_
   }
 }
 
-void check_rows(const char *name, const at::Tensor &t, int64_t m, int64_t n) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "layer_norm_residual (CPU): ",
-              name, " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+void check_shape(const char *name, const at::Tensor &t, int64_t m, int64_t n) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) == m && t.size(1) == n && (n <= 1 || t.stride(1) == 1),
               "layer_norm_residual (CPU): ", name, " must be (", m, ", ", n,
               ") with unit column stride, got ", t.sizes(), " strides ", t.strides());
+}
+
+void check_rows(const char *name, const at::Tensor &t, int64_t m, int64_t n) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "layer_norm_residual (CPU): ",
+              name, " must be a float32 CPU tensor, got ", t.scalar_type(), " on ", t.device());
+  check_shape(name, t, m, n);
+}
+
+// x: float32, or bfloat16 beside a float32 residual (the sum, and so y, are float32 then).
+void check_x(const at::Tensor &x, const std::optional<at::Tensor> &residual, int64_t m,
+             int64_t n) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || (bf16 && residual)),
+              "layer_norm_residual (CPU): x must be a float32 CPU tensor, or bfloat16 beside a "
+              "residual, got ", x.scalar_type(), residual ? "" : " without a residual", " on ",
+              x.device());
+  check_shape("x", x, m, n);
 }
 
 void check_vector(const char *name, const std::optional<at::Tensor> &t, int64_t n) {
@@ -191,9 +224,16 @@ Rows input_rows(const at::Tensor &x, const std::optional<at::Tensor> &residual,
                 const std::optional<at::Tensor> &weight, std::vector<float> &fill, int64_t seed,
                 double dropout_p) {
   const int64_t n = x.size(1);
-  return Rows{x.data_ptr<float>(), residual ? residual->data_ptr<float>() : nullptr,
-              or_fill(weight, fill, 1.0f, n), nullptr, x.stride(0),
-              residual ? residual->stride(0) : 0, n, Dropout(seed, dropout_p)};
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  return Rows{bf16 ? nullptr : x.data_ptr<float>(),
+              residual ? residual->data_ptr<float>() : nullptr,
+              or_fill(weight, fill, 1.0f, n),
+              nullptr,
+              bf16 ? x.data_ptr<c10::BFloat16>() : nullptr,
+              x.stride(0),
+              residual ? residual->stride(0) : 0,
+              n,
+              Dropout(seed, dropout_p)};
 }
 
 }  // namespace
@@ -204,14 +244,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_f
     int64_t seed, double eps, double dropout_p, bool return_residual) {
   TORCH_CHECK(x.dim() == 2, "layer_norm_residual (CPU): x must be 2-D, got ", x.sizes());
   const int64_t m = x.size(0), n = x.size(1);
-  check_rows("x", x, m, n);
   if (residual) check_rows("residual", *residual, m, n);
+  check_x(x, residual, m, n);
   check_vector("weight", weight, n);
   check_vector("bias", bias, n);
   check_dropout(dropout_p);
-  at::Tensor y = at::empty({m, n}, x.options());
-  at::Tensor sum = return_residual ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
-  at::Tensor mean = at::empty({m}, x.options()), rstd = at::empty({m}, x.options());
+  const auto fp32 = x.options().dtype(at::kFloat);
+  at::Tensor y = at::empty({m, n}, fp32);
+  at::Tensor sum = return_residual ? at::empty({m, n}, fp32) : at::empty({0}, fp32);
+  at::Tensor mean = at::empty({m}, fp32), rstd = at::empty({m}, fp32);
   std::vector<float> ones, zeros;
   Forward a{input_rows(x, residual, weight, ones, seed, dropout_p)};
   a.b = or_fill(bias, zeros, 0.0f, n);
@@ -234,20 +275,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_b
     double dropout_p) {
   TORCH_CHECK(x.dim() == 2, "layer_norm_residual (CPU): x must be 2-D, got ", x.sizes());
   const int64_t m = x.size(0), n = x.size(1);
-  check_rows("x", x, m, n);
   check_rows("dy", dy, m, n);
   if (dsum) check_rows("dsum", *dsum, m, n);
   if (residual) check_rows("residual", *residual, m, n);
+  check_x(x, residual, m, n);
   check_vector("weight", weight, n);
   check_vector("mean", mean, m);
   check_vector("rstd", rstd, m);
   check_dropout(dropout_p);
-  // dresidual equals dx unless dropout scales dx (the dtypes are equal: float32).
-  const bool separate = residual.has_value() && dropout_p > 0;
+  // dx takes x's dtype; dresidual (float32) equals dx unless dropout scales dx or x is bfloat16.
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool separate = residual.has_value() && (dropout_p > 0 || bf16);
+  const auto fp32 = x.options().dtype(at::kFloat);
   at::Tensor dx = at::empty({m, n}, x.options());
-  at::Tensor dr = separate ? at::empty({m, n}, x.options()) : at::empty({0}, x.options());
+  at::Tensor dr = separate ? at::empty({m, n}, fp32) : at::empty({0}, fp32);
   const int64_t blocks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), m));
-  at::Tensor dw = at::zeros({blocks, n}, x.options()), db = at::zeros({blocks, n}, x.options());
+  at::Tensor dw = at::zeros({blocks, n}, fp32), db = at::zeros({blocks, n}, fp32);
   std::vector<float> ones;
   Backward a{input_rows(x, residual, weight, ones, seed, dropout_p)};
   a.dy = dy.data_ptr<float>();
@@ -256,7 +299,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_b
   a.sdsum = dsum ? dsum->stride(0) : 0;
   a.mean = mean.data_ptr<float>();
   a.rstd = rstd.data_ptr<float>();
-  a.dx = dx.data_ptr<float>();
+  a.dx = bf16 ? nullptr : dx.data_ptr<float>();
+  a.dxb = bf16 ? dx.data_ptr<c10::BFloat16>() : nullptr;
   a.dr = separate ? dr.data_ptr<float>() : nullptr;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> work(n);
@@ -268,8 +312,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_b
     }
   });
   // Absent gradients are distinct empty tensors: an op's outputs may not alias each other.
-  return {dx, dr, weight ? dw.sum(0) : at::empty({0}, x.options()),
-          has_bias ? db.sum(0) : at::empty({0}, x.options())};
+  return {dx, dr, weight ? dw.sum(0) : at::empty({0}, fp32),
+          has_bias ? db.sum(0) : at::empty({0}, fp32)};
 }
 
 at::Tensor dropout_cpu(const at::Tensor &x, int64_t seed, double dropout_p) {

@@ -15,17 +15,18 @@
 
 namespace fastattn {
 
-// x, residual (M, N) float32 with unit column stride; weight, bias (N,) float32 or absent.
-// Returns (y, sum or empty, mean, rstd): y = LayerNorm(residual + dropout(x)) · weight + bias,
-// sum = residual + dropout(x) when return_residual, fp32 row mean and 1 / sqrt(var + eps).
+// x, residual (M, N) float32 with unit column stride, or x bfloat16 (a matmul's output under
+// CPU autocast) beside a float32 residual; weight, bias (N,) float32 or absent.
+// Returns float32 (y, sum or empty, mean, rstd): y = LayerNorm(residual + dropout(x)) · weight +
+// bias, sum = residual + dropout(x) when return_residual, row mean and 1 / sqrt(var + eps).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_fwd_cpu(
     const at::Tensor &x, const std::optional<at::Tensor> &residual,
     const std::optional<at::Tensor> &weight, const std::optional<at::Tensor> &bias,
     int64_t seed, double eps, double dropout_p, bool return_residual);
 
 // The backward of the above given dy (and dsum, the gradient reaching the returned sum):
-// (dx, dresidual or empty when it equals dx, dweight or empty, dbias or empty). Deterministic:
-// dweight and dbias are summed from per-block partials in a fixed order.
+// (dx in x's dtype, float32 dresidual or empty when it equals dx, dweight or empty, dbias or
+// empty). Deterministic: dweight and dbias are summed from per-block partials in a fixed order.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_residual_bwd_cpu(
     const at::Tensor &dy, const std::optional<at::Tensor> &dsum, const at::Tensor &x,
     const std::optional<at::Tensor> &residual, const std::optional<at::Tensor> &weight,

@@ -257,7 +257,7 @@ def _layer_norm_residual_fwd(
     return_residual: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, sum or empty, mean, rstd) for 2-D x and residual with unit column stride."""
-    if native_cpu(x):
+    if native_cpu(x, dtypes=_NATIVE):
         return torch.ops.fastattn.cpu_layer_norm_residual_fwd(
             x, residual, weight, bias, 0 if seed is None else int(seed), eps, dropout_p,
             return_residual,
@@ -308,7 +308,7 @@ def _layer_norm_residual_bwd(
     M, N = x.shape
     dy = dy.contiguous()
     dsum = None if dsum is None else dsum.contiguous()
-    if native_cpu(x):
+    if native_cpu(x, dtypes=_NATIVE):
         return torch.ops.fastattn.cpu_layer_norm_residual_bwd(
             dy, dsum, x, residual, weight, has_bias, 0 if seed is None else int(seed), mean, rstd,
             dropout_p,
@@ -386,6 +386,9 @@ def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
 # CPU dtypes the float32 fastattn._C kernels take after a conversion: under CPU autocast the
 # conversions cost less than the unfused PyTorch chain (serial dropout generator) they replace.
 _UPCAST = (torch.float32, torch.bfloat16, torch.float16)
+# x's dtypes the CPU layer_norm_residual kernels read as they are (bfloat16 beside a float32
+# residual only).
+_NATIVE = (torch.float32, torch.bfloat16)
 
 
 def _float(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -473,8 +476,9 @@ def layer_norm_residual(
     `return_residual=True` returns (y, residual + dropout(x)), the stream a pre-norm stack
     carries on. The output dtype is the promotion of x's and residual's dtypes. The Triton
     kernel handles N <= MAX_FEATURES; wider rows raise ValueError there. On CPU, float32 runs
-    fastattn._C's one-pass kernel (no row limit), bfloat16 and float16 run it on float32 copies,
-    and float64 runs dropout(), an add and F.layer_norm. All draw their dropout randomness from
+    fastattn._C's one-pass kernel (no row limit), as does a bfloat16 x beside a float32 residual
+    (read as it is: post-norm under autocast), other bfloat16 and float16 inputs run it on
+    float32 copies, and float64 runs dropout(), an add and F.layer_norm. All draw their dropout randomness from
     torch's generator: torch.manual_seed reproduces it.
     """
     N = x.shape[-1]
@@ -486,14 +490,20 @@ def layer_norm_residual(
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     mixed = x.dtype != torch.float32 or (residual is not None and residual.dtype != x.dtype)
-    if mixed and x.numel() and native_cpu(x, residual, weight, bias, dtypes=_UPCAST):
+    # Post-norm under CPU autocast: the kernel reads a bfloat16 sublayer output beside the
+    # float32 residual stream as it is, not a float32 copy (and returns dx in bfloat16).
+    bf16_beside_fp32 = (residual is not None and x.dtype == torch.bfloat16
+                        and native_cpu(x, dtypes=_NATIVE) and native_cpu(residual, weight, bias))
+    if mixed and not bf16_beside_fp32 and x.numel() \
+            and native_cpu(x, residual, weight, bias, dtypes=_UPCAST):
         dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
         out = layer_norm_residual(
             x.float(), _float(residual), _float(weight), _float(bias), eps, dropout_p,
             return_residual,
         )
         return tuple(t.to(dtype) for t in out) if return_residual else out.to(dtype)
-    if x.numel() == 0 or not (_use_kernel(x) or native_cpu(x, residual, weight, bias)):
+    if x.numel() == 0 or not (_use_kernel(x) or bf16_beside_fp32
+                              or native_cpu(x, residual, weight, bias)):
         h = dropout(x, dropout_p)
         y, s = layer_norm_residual_reference(h, residual, weight, bias, eps)
         return (y, s) if return_residual else y

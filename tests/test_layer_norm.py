@@ -104,9 +104,33 @@ def test_bfloat16(dropout_p):
     _compare(1000, torch.bfloat16, dropout_p=dropout_p)
 
 
-def test_mixed_dtypes_promote():
-    """fp16 sub-layer output onto an fp32 residual stream: output fp32, grads in input dtypes."""
-    _compare(512, torch.float16, residual_dtype=torch.float32)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_mixed_dtypes_promote(dtype, dropout_p):
+    """A low-precision sub-layer output onto an fp32 residual stream (post-norm under autocast):
+    output fp32, grads in input dtypes."""
+    _compare(512, dtype, residual_dtype=torch.float32, dropout_p=dropout_p, seed=1)
+
+
+@pytest.mark.skipif(not native_cpu(torch.empty(0)), reason="needs fastattn._C's CPU kernels")
+@pytest.mark.parametrize("dropout_p", [0.0, 0.3])
+@pytest.mark.parametrize("n", [1, 17, 128, 1023])
+def test_bfloat16_beside_float32_residual_reads_x_as_it_is(dropout_p, n):
+    """The CPU kernel reads bfloat16 x itself; its results equal those of a float32 copy of x bit
+    for bit, dx rounded to bfloat16 once (what the copy's backward does)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, 7, n, generator=g).bfloat16().requires_grad_()
+    r, w, b = (torch.randn(*shape, generator=g).requires_grad_()
+               for shape in ((5, 7, n), (n,), (n,)))
+    dy = torch.randn(5, 7, n, generator=g)
+    results = []
+    for x_in in (x, x.float()):
+        torch.manual_seed(0)  # the same dropout mask
+        y = layer_norm_residual(x_in, r, w, b, 1e-5, dropout_p)
+        results.append((y, *torch.autograd.grad(y, (x, r, w, b), dy)))
+    assert results[0][0].dtype == torch.float32 and results[0][1].dtype == torch.bfloat16
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
