@@ -1144,7 +1144,10 @@ def train_ensemble(args: argparse.Namespace) -> Run:
                     for j in range(1, jobs)]
         for child in children:
             child.start()
-    child_failed = lambda: any(child.exitcode not in (None, 0) for child in children)  # noqa: E731
+
+    def child_failed() -> bool:
+        return any(child.exitcode not in (None, 0) for child in children)
+
     try:
         try:
             run = train_stints(members, plan[0], 0, jobs, shared, child_failed)
@@ -1160,7 +1163,7 @@ def train_ensemble(args: argparse.Namespace) -> Run:
             if child.is_alive():
                 child.terminate()
                 child.join()
-    failed = [k + 1 for k in range(len(members)) if shared is not None and not shared.finished[k]]
+    failed = [] if shared is None else [k + 1 for k, done in enumerate(shared.finished) if not done]
     if failed:
         raise SystemExit(f"error: ensemble member{'s' * (len(failed) > 1)} "
                          f"{', '.join(map(str, failed))} stopped before finishing (the error is "
