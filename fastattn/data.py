@@ -16,6 +16,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -375,20 +376,28 @@ def collate(
 
     The source ends with EOS; the decoder input is BOS + target, the decoder target is
     target + EOS. Padding is PAD_ID."""
-    import torch
+    src = [src[i] for i in indices]
+    tgt = [tgt[i] for i in indices]
+    src_len = max(map(len, src)) + 1
+    tgt_len = max(map(len, tgt)) + 1
+    return (_padded(src, src_len, last=EOS_ID), _padded(tgt, tgt_len, first=BOS_ID),
+            _padded(tgt, tgt_len, last=EOS_ID))
 
-    n = len(indices)
-    src_len = max(len(src[i]) for i in indices) + 1
-    tgt_len = max(len(tgt[i]) for i in indices) + 1
-    source = torch.full((n, src_len), PAD_ID, dtype=torch.long)
-    inputs = torch.full((n, tgt_len), PAD_ID, dtype=torch.long)
-    targets = torch.full((n, tgt_len), PAD_ID, dtype=torch.long)
-    for row, i in enumerate(indices):
-        s, t = src[i], tgt[i]
-        source[row, : len(s) + 1] = torch.tensor([*s, EOS_ID])
-        inputs[row, : len(t) + 1] = torch.tensor([BOS_ID, *t])
-        targets[row, : len(t) + 1] = torch.tensor([*t, EOS_ID])
-    return source, inputs, targets
+
+def _padded(rows: list[Sequence[int]], length: int, first: int | None = None,
+            last: int | None = None) -> torch.Tensor:
+    """(len(rows), length) int64: each row as [first,] *row [, last], then PAD_ID. Filled in
+    numpy at once: a tensor op per sentence cost 2% of a training step."""
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    out = np.full((len(rows), length), PAD_ID, dtype=np.int64)
+    start = 0 if first is None else 1
+    if first is not None:
+        out[:, 0] = first
+    flat = np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    out[:, start:][np.arange(length - start) < lengths[:, None]] = flat
+    if last is not None:
+        out[np.arange(len(rows)), lengths] = last
+    return torch.from_numpy(out)
 
 
 def drop_words(ids: torch.Tensor, p: float, rng: np.random.Generator) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """fastattn.data: strict reading, the embedded corpus, SentencePiece, length filtering, batches."""
 
 import gzip
+import random
 
 import numpy as np
 import pytest
@@ -301,3 +302,22 @@ def test_collate_places_bos_eos_and_padding():
     assert inputs.tolist() == [[data.BOS_ID, 12, 13], [data.BOS_ID, 11, 0]]
     assert targets.tolist() == [[12, 13, data.EOS_ID], [11, data.EOS_ID, 0]]
     assert source.dtype == torch.long
+
+
+def test_collate_matches_a_row_by_row_reference():
+    rng = random.Random(0)
+    sentences = [[rng.randrange(4, 100) for _ in range(rng.randrange(0, 30))] for _ in range(40)]
+    indices = rng.sample(range(20), 17)
+    batch = data.collate(sentences[:20], sentences[20:], indices)
+
+    def reference(rows, before, after):
+        rows = [before + row + after for row in rows]
+        width = max(map(len, rows))
+        return torch.tensor([row + [data.PAD_ID] * (width - len(row)) for row in rows])
+
+    src = [sentences[i] for i in indices]
+    tgt = [sentences[20 + i] for i in indices]
+    expected = (reference(src, [], [data.EOS_ID]), reference(tgt, [data.BOS_ID], []),
+                reference(tgt, [], [data.EOS_ID]))
+    for got, want in zip(batch, expected, strict=True):
+        assert got.dtype == torch.long and torch.equal(got, want)
