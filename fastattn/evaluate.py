@@ -1,5 +1,5 @@
 """BLEU as it is reported: detokenized sacreBLEU with its signature, and the tokenized BLEU that
-published figures use.
+published figures use, and the length ratio behind BLEU's brevity penalty.
 
 Tokenized BLEU prepares hypotheses the way the references were prepared and scores the tokens as
 they are (sacreBLEU with tokenize="none"):
@@ -73,6 +73,15 @@ def sacre_bleu(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[fl
     return score.score, str(metric.get_signature())
 
 
+def length_ratio(hypotheses: Sequence[str], references: Sequence[str]) -> tuple[float, float]:
+    """Length of the translations over that of the references (sacreBLEU's 13a tokens, the
+    whole corpus) and BLEU's brevity penalty min(1, e^(1 - 1/ratio)): below 1, translations
+    are too short and BLEU is scaled down by the penalty, whatever their n-gram precisions."""
+    _check(hypotheses, references)
+    score = sacrebleu.BLEU().corpus_score(list(hypotheses), [list(references)])
+    return score.sys_len / max(score.ref_len, 1), score.bp
+
+
 def tokenized_bleu(hypotheses: Sequence[str], tokenized_references: Sequence[str]) -> float:
     """BLEU of already tokenized hypotheses against already tokenized references, tokens as
     they are (multi-bleu.perl's convention)."""
@@ -132,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
             references = data.read_lines(args.ref)
             tokenized_refs = args.tokenized_ref and data.read_lines(args.tokenized_ref)
         bleu, signature = sacre_bleu(hypotheses, references)
+        ratio, brevity_penalty = length_ratio(hypotheses, references)
         if tokenized_refs:
             tokenized = multi30k_bleu(hypotheses, tokenized_refs, args.lang)
             how = "lowercased, against the tokenized references"
@@ -143,6 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     print(f"BLEU {bleu:.2f}  {signature}")
     print(f"tokenized BLEU {tokenized:.2f}  ({how})")
+    print(f"length ratio {ratio:.3f}  (translations / references in 13a tokens; BLEU's brevity "
+          f"penalty {brevity_penalty:.3f})")
 
 
 if __name__ == "__main__":

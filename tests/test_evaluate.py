@@ -88,7 +88,16 @@ def test_cli_scores_a_translation_file_against_multi30k(tmp_path, capsys):
     assert lines[0] == f"BLEU {sacre:.2f}  {signature}"
     tokenized = evaluate.multi30k_bleu(hypotheses, official, "de")
     assert lines[1].startswith(f"tokenized BLEU {tokenized:.2f}  (lowercased")
-    assert sacre < 100
+    ratio, penalty = evaluate.length_ratio(hypotheses, references)
+    assert lines[2].startswith(f"length ratio {ratio:.3f}  (")
+    assert lines[2].endswith(f"penalty {penalty:.3f})")
+    assert sacre < 100 and ratio < 1 and penalty < 1  # the empty translation made it too short
+
+
+def test_length_ratio_counts_13a_tokens_and_gives_the_brevity_penalty():
+    ratio, penalty = evaluate.length_ratio(["a b, c", "d"], ["a b , c d", "e f g"])  # 5 / 8
+    assert ratio == pytest.approx(5 / 8) and penalty == pytest.approx(math.exp(1 - 8 / 5))
+    assert evaluate.length_ratio(["a b c"], ["a b"]) == (pytest.approx(1.5), 1.0)
 
 
 def test_cli_with_plain_references_uses_the_wmt_convention(tmp_path, capsys):
