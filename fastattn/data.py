@@ -387,7 +387,7 @@ def collate(
 def _padded(rows: list[Sequence[int]], length: int, first: int | None = None,
             last: int | None = None) -> torch.Tensor:
     """(len(rows), length) int64: each row as [first,] *row [, last], then PAD_ID. Filled in
-    numpy at once: a tensor op per sentence cost 2% of a training step."""
+    numpy at once, not with a few small tensor ops per sentence (thousands per batch)."""
     lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
     out = np.full((len(rows), length), PAD_ID, dtype=np.int64)
     start = 0 if first is None else 1

@@ -252,7 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="dev loss and greedy dev BLEU every N updates (0: never)")
     add(g, "--beam", type=int, default=4, help="test beam size")
     add(g, "--alpha", type=_alphas, default="1.5", metavar="A[,A...]",
-        help="length penalty ((5+|Y|)/6)^alpha (1.5: the CPU recipe's choice on dev, README); "
+        help="length penalty ((5+|Y|)/6)^alpha (1.5: the CPU recipe's, see the README); "
         "given several (e.g. 0.6,1.0,1.5,2.0), the final model decodes the dev set with each and "
         "keeps the best; stored in the checkpoint for translate")
     add(g, "--max-len-b", type=int, default=50, help="hypotheses get source length + this")
