@@ -469,15 +469,16 @@ def translate(model: Transformer | Ensemble, sp, sentences: Sequence[str], *, be
 
 
 def bleu_scores(hypotheses: list[str], split: Split, tgt_lang: str) -> dict[str, Any]:
-    """Detokenized sacreBLEU with signature, and tokenized BLEU: against the official tokenized
-    references where the corpus has them (Multi30k), else Moses-tokenized references with the
-    paper's compound splitting."""
+    """Detokenized sacreBLEU with signature, tokenized BLEU (against the official tokenized
+    references where the corpus has them, Multi30k, else Moses-tokenized references with the
+    paper's compound splitting) and the translations' length over the references'."""
     bleu, signature = evaluate.sacre_bleu(hypotheses, split.text.tgt)
     if split.tokenized_refs is not None:
         tokenized = evaluate.multi30k_bleu(hypotheses, split.tokenized_refs, tgt_lang)
     else:
         tokenized = evaluate.wmt_bleu(hypotheses, split.text.tgt, tgt_lang)
-    return {"bleu": bleu, "signature": signature, "tok_bleu": tokenized}
+    ratio, _ = evaluate.length_ratio(hypotheses, split.text.tgt)
+    return {"bleu": bleu, "signature": signature, "tok_bleu": tokenized, "length_ratio": ratio}
 
 
 @torch.no_grad()
@@ -899,13 +900,15 @@ class Run:
         output.write_text("\n".join(hyps) + "\n", encoding="utf-8")
         self.write_metrics({"step": self.step, f"{name}_bleu": scores["bleu"],
                             f"{name}_tok_bleu": scores["tok_bleu"], "alpha": alpha,
+                            f"{name}_length_ratio": scores["length_ratio"],
                             "signature": scores["signature"], "time": time.time()}, metrics)
-        tokenized = "official tokenized references" if split.tokenized_refs is not None \
-            else "Moses tokenization with compound splitting"
+        tokenized = "lowercased, official tokenized references" if split.tokenized_refs \
+            is not None else "cased, Moses tokenization with compound splitting"
         self.log(f"{name} ({len(hyps)} sentences, beam {args.beam}, alpha {alpha}, "
-                 f"{time.time() - started:.0f}s), translations in {output}")
+                 f"{time.time() - started:.0f}s, {scores['length_ratio']:.3f} of the references' "
+                 f"length), translations in {output}")
         self.log(f"{name} BLEU {scores['bleu']:.2f}  {scores['signature']}")
-        self.log(f"{name} tokenized BLEU {scores['tok_bleu']:.2f}  (lowercased, {tokenized})")
+        self.log(f"{name} tokenized BLEU {scores['tok_bleu']:.2f}  ({tokenized})")
         self.log(f"checkpoint: {final}")
 
     def choose_alpha(self, model: Transformer | Ensemble, sp, metrics: Path) -> float:

@@ -425,6 +425,8 @@ def test_the_final_model_and_test_decoding_use_the_chosen_alpha(tmp_path):
     [choice] = [r for r in records if "alpha_dev_tok_bleu" in r]
     assert [float(a) for a in choice["alpha_dev_tok_bleu"]] == [0.0, 1.0, 3.0]
     assert f"alpha {choice['alpha']}," in result.stdout  # the test set was decoded with it
+    [ratio] = [value for r in records for key, value in r.items() if key.endswith("length_ratio")]
+    assert ratio > 0 and f"{ratio:.3f} of the references' length" in result.stdout
     final = tmp_path / "run" / "checkpoint_final.pt"
     assert checkpoint.load_checkpoint(final)["meta"]["alpha"] == choice["alpha"]
 
