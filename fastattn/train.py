@@ -469,16 +469,15 @@ def translate(model: Transformer | Ensemble, sp, sentences: Sequence[str], *, be
 
 
 def bleu_scores(hypotheses: list[str], split: Split, tgt_lang: str) -> dict[str, Any]:
-    """Detokenized sacreBLEU with signature, tokenized BLEU (against the official tokenized
-    references where the corpus has them, Multi30k, else Moses-tokenized references with the
-    paper's compound splitting) and the translations' length over the references'."""
+    """Detokenized sacreBLEU with signature, and tokenized BLEU: against the official tokenized
+    references where the corpus has them (Multi30k), else Moses-tokenized references with the
+    paper's compound splitting."""
     bleu, signature = evaluate.sacre_bleu(hypotheses, split.text.tgt)
     if split.tokenized_refs is not None:
         tokenized = evaluate.multi30k_bleu(hypotheses, split.tokenized_refs, tgt_lang)
     else:
         tokenized = evaluate.wmt_bleu(hypotheses, split.text.tgt, tgt_lang)
-    ratio, _ = evaluate.length_ratio(hypotheses, split.text.tgt)
-    return {"bleu": bleu, "signature": signature, "tok_bleu": tokenized, "length_ratio": ratio}
+    return {"bleu": bleu, "signature": signature, "tok_bleu": tokenized}
 
 
 @torch.no_grad()
@@ -896,16 +895,17 @@ class Run:
                          max_len_b=args.max_len_b, batch_tokens=args.eval_batch_tokens,
                          truecaser=self.source_truecaser)
         scores = bleu_scores(hyps, split, args.tgt)
+        ratio, _ = evaluate.length_ratio(hyps, split.text.tgt)  # final report only, not dev evals
         output = save_dir / f"{name}.hyp.{args.tgt}"
         output.write_text("\n".join(hyps) + "\n", encoding="utf-8")
         self.write_metrics({"step": self.step, f"{name}_bleu": scores["bleu"],
                             f"{name}_tok_bleu": scores["tok_bleu"], "alpha": alpha,
-                            f"{name}_length_ratio": scores["length_ratio"],
+                            f"{name}_length_ratio": ratio,
                             "signature": scores["signature"], "time": time.time()}, metrics)
         tokenized = "lowercased, official tokenized references" if split.tokenized_refs \
             is not None else "cased, Moses tokenization with compound splitting"
         self.log(f"{name} ({len(hyps)} sentences, beam {args.beam}, alpha {alpha}, "
-                 f"{time.time() - started:.0f}s, {scores['length_ratio']:.3f} of the references' "
+                 f"{time.time() - started:.0f}s, {ratio:.3f} of the references' "
                  f"length), translations in {output}")
         self.log(f"{name} BLEU {scores['bleu']:.2f}  {scores['signature']}")
         self.log(f"{name} tokenized BLEU {scores['tok_bleu']:.2f}  ({tokenized})")
