@@ -40,7 +40,8 @@ at::Tensor reuse(at::Tensor &buffer, at::IntArrayRef sizes, const at::TensorOpti
 
 }  // namespace
 
-void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &positions,
+void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &output,
+                                 const at::Tensor &positions,
                                  double embedding_scale, at::TensorList params,
                                  at::TensorList packed,
                                  const std::optional<at::Tensor> &output_packed, double eps,
@@ -60,6 +61,9 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
                   positions.size(1) == embedding.size(1),
               "transformer_beam_search: embedding (V, d) and positions (P, d) must share d, got ",
               embedding.sizes(), " and ", positions.sizes());
+  TORCH_CHECK(output.dim() == 2 && output.size(1) == embedding.size(1),
+              "transformer_beam_search: output (V_out, d) and embedding (V, d) must share d, "
+              "got ", output.sizes(), " and ", embedding.sizes());
   const int64_t B = memory_k[0].size(0), beam = finished_scores.size(1);
   const int64_t layers = static_cast<int64_t>(memory_k.size()), H = memory_k[0].size(1);
   const int64_t capacity = positions.size(0);
@@ -82,7 +86,7 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
   // the live ones down at every finish copied more than the cross-attention reads.
   std::optional<at::Tensor> row_sentences;
 
-  auto logits = reuse(workspace.logits, {B * beam, embedding.size(0)}, cache_options);
+  auto logits = reuse(workspace.logits, {B * beam, output.size(0)}, cache_options);
   auto tokens = at::full({B, 1}, bos_id, long_options);
   auto scores = at::zeros({B}, finished_scores.options());
   auto sentences = at::arange(B, long_options);
@@ -96,7 +100,7 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
     x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, memory_k,
                          memory_v, memory_bias, row_sentences, packed, eps);
     auto logprobs = logits.narrow(0, 0, N);
-    log_softmax_linear_out_cpu(x, embedding, output_packed, logprobs);
+    log_softmax_linear_out_cpu(x, output, output_packed, logprobs);
     auto [next_tokens, next_scores, reorder, next_sentences] = beam_search_step_cpu(
         logprobs.to(at::kFloat), tokens, scores, sentences, max_len, penalty, finished_tokens,
         finished_scores, finished_lengths, finished_count, eos_id, nbest);

@@ -12,13 +12,15 @@ namespace fastattn {
 // fastattn.search.beam_search over the post-norm decoder of fastattn.model.Transformer, with the
 // step function built in: per step the newest tokens are embedded (embedding[token] ·
 // embedding_scale + positions[position]), run through decoder_step_cpu (params, packed, eps as
-// there) and projected by log_softmax_linear_cpu (the tied embedding, output_packed), and
+// there) and projected by log_softmax_linear_cpu (output: the tied embedding's first rows, the
+// pieces the softmax ranges over; output_packed its panels), and
 // beam_search_step_cpu does the bookkeeping; the self-attention caches follow the surviving rows
 // through a history of cache rows.
 // memory_k[l] (B, H, S, Dk), memory_v[l] (B, H, S, Dv) and memory_bias (B, S) or none come from
 // the encoder; positions (P, d) covers every position decoded (P >= max_len.max()).
 // max_len, penalty and finished_* are beam_search_step_cpu's (finished_* are filled in place).
-void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &positions,
+void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &output,
+                                 const at::Tensor &positions,
                                  double embedding_scale, at::TensorList params,
                                  at::TensorList packed,
                                  const std::optional<at::Tensor> &output_packed, double eps,

@@ -25,9 +25,10 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "Tensor history, int length, Tensor[] memory_k, Tensor[] memory_v, Tensor? memory_bias, "
       "Tensor? sentences, Tensor[] packed, float eps) -> Tensor");
   m.def(
-      "transformer_beam_search(Tensor embedding, Tensor positions, float embedding_scale, "
-      "Tensor[] params, Tensor[] packed, Tensor? output_packed, float eps, Tensor[] memory_k, "
-      "Tensor[] memory_v, Tensor? memory_bias, int bos_id, Tensor max_len, Tensor penalty, "
+      "transformer_beam_search(Tensor embedding, Tensor output, Tensor positions, "
+      "float embedding_scale, Tensor[] params, Tensor[] packed, Tensor? output_packed, "
+      "float eps, Tensor[] memory_k, Tensor[] memory_v, Tensor? memory_bias, int bos_id, "
+      "Tensor max_len, Tensor penalty, "
       "Tensor(a!) finished_tokens, Tensor(b!) finished_scores, Tensor(c!) finished_lengths, "
       "Tensor(d!) finished_count, int eos_id, int nbest) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");

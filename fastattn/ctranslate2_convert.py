@@ -49,15 +49,17 @@ def to_ctranslate2_spec(model: Transformer, sp):
     def norm(target, source) -> None:
         target.gamma, target.beta = tensor(source.weight), tensor(source.bias)
 
-    embedding = tensor(model.embedding.weight)
+    # The decoder reads and writes only the output vocabulary: the embedding's first rows.
+    embedding, output = tensor(model.embedding.weight), tensor(model.output_weight)
     positions = model.embedding.positions(0, cfg.max_len)
-    for side, stack in ((spec.encoder, model.encoder), (spec.decoder, model.decoder)):
+    for side, stack, weight in ((spec.encoder, model.encoder, embedding),
+                                (spec.decoder, model.decoder, output)):
         embeddings = side.embeddings[0] if isinstance(side.embeddings, list) else side.embeddings
-        embeddings.weight = embedding
+        embeddings.weight = weight
         side.position_encodings.encodings = tensor(positions)
         if cfg.pre_norm:
             norm(side.layer_norm, stack.final_norm)
-    spec.decoder.projection.weight = embedding
+    spec.decoder.projection.weight = output
 
     for ours, theirs in zip(model.encoder.layers, spec.encoder.layer, strict=True):
         linear(theirs.self_attention.linear[0], ours.self_attention.qkv)
@@ -77,7 +79,7 @@ def to_ctranslate2_spec(model: Transformer, sp):
     vocabulary = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
     vocabulary += [f"<unused{i}>" for i in range(len(vocabulary), cfg.vocab_size)]
     spec.register_source_vocabulary(vocabulary)
-    spec.register_target_vocabulary(vocabulary)
+    spec.register_target_vocabulary(vocabulary[:cfg.output_size])
     return spec
 
 

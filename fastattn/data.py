@@ -188,6 +188,46 @@ def train_sentencepiece(
     return buffer.getvalue()
 
 
+def pieces_first(proto: bytes, first: Iterable[int]) -> tuple[bytes, int]:
+    """The SentencePiece model proto with its pieces renumbered: the special ids 0-3 as they
+    are, then the pieces `first` (ids of `proto`) in their order of id, then the rest; and the
+    number of ids before the rest.
+
+    Text segments into the same pieces, since BPE merges by score, not by id. The trainer puts
+    the pieces of the target language first, so the output softmax can range over a prefix of
+    the shared embedding (TransformerConfig.output_vocab_size). The proto is edited in its wire
+    format (the pieces are ModelProto's repeated field 1), which needs no protobuf package."""
+    fields, pieces, at = [], [], 0
+    while at < len(proto):
+        start = at
+        key, at = _varint(proto, at)
+        if key & 7 == 2:
+            size, at = _varint(proto, at)
+            at += size
+        elif key & 7 == 0:
+            _, at = _varint(proto, at)
+        else:  # ModelProto has no fixed-width fields
+            raise ValueError(f"unexpected wire type {key & 7} in a SentencePiece model proto")
+        (pieces if key >> 3 == 1 else fields).append(proto[start:at])
+    specials = range(EOS_ID + 1)
+    chosen = sorted(set(first) - set(specials))
+    if chosen and not 0 <= chosen[-1] < len(pieces):
+        raise ValueError(f"piece id {chosen[-1]} is outside the vocabulary of {len(pieces)}")
+    rest = sorted(set(range(len(pieces))) - set(chosen) - set(specials))
+    order = (*specials, *chosen, *rest)
+    return b"".join([pieces[i] for i in order] + fields), len(specials) + len(chosen)
+
+
+def _varint(buffer: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buffer[at]
+        value |= (byte & 0x7F) << shift
+        at, shift = at + 1, shift + 7
+        if byte < 0x80:
+            return value, at
+
+
 def load_sentencepiece(proto: bytes) -> spm.SentencePieceProcessor:
     """A SentencePiece processor from a serialized model proto (as stored in checkpoints)."""
     return spm.SentencePieceProcessor(model_proto=proto)

@@ -43,16 +43,17 @@ class Ensemble(torch.nn.Module):
         super().__init__()
         if not members:
             raise ValueError("an ensemble needs at least one member")
-        sizes = {m.cfg.vocab_size for m in members}
+        sizes = {(m.cfg.vocab_size, m.cfg.output_size) for m in members}
         if len(sizes) > 1:
-            raise ValueError(f"ensemble members must share one vocabulary, got sizes {sizes}")
+            raise ValueError("ensemble members must share one vocabulary and output vocabulary, "
+                             f"got (vocabulary, output) sizes {sorted(sizes)}")
         self.members = torch.nn.ModuleList(members)
 
     def start_decoding(self, src: Tensor, capacity: int | None = None) -> EnsembleState:
         return EnsembleState([m.start_decoding(src, capacity) for m in self.members])
 
     def decode_step(self, tokens: Tensor, state: EnsembleState) -> Tensor:
-        """tokens (N,) -> log of the members' mean next-token probabilities (N, vocab_size)."""
+        """tokens (N,) -> log of the members' mean next-token probabilities (N, output_size)."""
         states = zip(self.members, state.states, strict=True)
         total = None  # log Σ_m p_m, folded pairwise: 4x faster than logsumexp over a stack
         for m, s in states:

@@ -35,6 +35,9 @@ __all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
 @dataclass(frozen=True)
 class TransformerConfig:
     vocab_size: int = 37000  # one vocabulary shared by source and target (section 5.1)
+    # Not the paper's: the softmax ranges over the first output_vocab_size pieces only (the
+    # target language's, which the trainer numbers first); None: over the whole vocabulary.
+    output_vocab_size: int | None = None
     encoder_layers: int = 6  # N
     decoder_layers: int = 6  # N
     d_model: int = 512
@@ -67,9 +70,18 @@ class TransformerConfig:
         for name in ("dropout", "label_smoothing", "attention_dropout", "activation_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+        output = self.output_vocab_size
+        if output is not None and not 0 < output <= self.vocab_size:
+            raise ValueError(f"output_vocab_size must be in [1, vocab_size {self.vocab_size}], "
+                             f"got {self.output_vocab_size}")
         if not 0 <= self.pad_id < self.vocab_size:
             raise ValueError(f"pad_id {self.pad_id} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+
+    @property
+    def output_size(self) -> int:
+        """The number of pieces the output softmax ranges over: ids [0, output_size)."""
+        return self.output_vocab_size or self.vocab_size
 
     @property
     def key_dim(self) -> int:
@@ -462,9 +474,15 @@ class Transformer(nn.Module):
         return self.decoder(self.embedding(tgt_in), memory, memory_mask)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """src (B, S), tgt_in (B, T) -> logits (B, T, vocab_size) for the next tokens."""
+        """src (B, S), tgt_in (B, T) -> logits (B, T, cfg.output_size) for the next tokens."""
         hidden = self.decode(tgt_in, *self.encode(src))
-        return F.linear(hidden, self.embedding.weight)
+        return F.linear(hidden, self.output_weight)
+
+    @property
+    def output_weight(self) -> Tensor:
+        """The pre-softmax projection (output_size, d_model): the tied embedding's first rows."""
+        weight = self.embedding.weight
+        return weight if self.cfg.output_size == len(weight) else weight[:self.cfg.output_size]
 
     def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, reduction: str = "mean",
              return_nll: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -477,7 +495,7 @@ class Transformer(nn.Module):
         hidden = self.decode(tgt_in, *self.encode(src))
         real = tgt_out != self.cfg.pad_id  # padding costs no projection
         return ops.linear_cross_entropy(
-            hidden[real], self.embedding.weight, tgt_out[real],
+            hidden[real], self.output_weight, tgt_out[real],
             smoothing=self.cfg.label_smoothing, reduction=reduction, return_nll=return_nll,
         )
 
@@ -492,7 +510,7 @@ class Transformer(nn.Module):
         hidden = self.decode(torch.cat([tgt_in, tgt_in]), *self.encode(torch.cat([src, src])))
         real = tgt_out != self.cfg.pad_id
         h1, h2 = (h[real] for h in hidden.chunk(2))
-        loss, nll = linear_rdrop_loss(h1, h2, self.embedding.weight, tgt_out[real],
+        loss, nll = linear_rdrop_loss(h1, h2, self.output_weight, tgt_out[real],
                                       smoothing=self.cfg.label_smoothing, alpha=alpha)
         if reduction == "mean":
             count = real.sum().clamp(min=1)
@@ -561,7 +579,7 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, state: DecodingState) -> Tensor:
         """tokens (N,): the newest token of every row (BOS on the first call), at position
-        state.length -> log-probabilities (N, vocab_size) of the next token. Costs O(length):
+        state.length -> log-probabilities (N, cfg.output_size) of the next token. Costs O(length):
         earlier positions are read from the caches, not recomputed."""
         if state.self_k is None:
             state.allocate(tokens.shape[0], self.cfg, self.embedding.weight)
@@ -582,14 +600,14 @@ class Transformer(nn.Module):
                 None if state.memory_bias is None else state.memory_bias.flatten(1),
                 state.sentences, panels, self.decoder.layers[0].feed_forward_norm.norm.eps)
             state.length += 1
-            return torch.ops.fastattn.log_softmax_linear(x, self.embedding.weight.detach(),
+            return torch.ops.fastattn.log_softmax_linear(x, self.output_weight.detach(),
                                                          output_panels).float()
         for i, layer in enumerate(self.decoder.layers):
             x = layer.step(x, state, i)
         if self.decoder.final_norm is not None:
             x = self.decoder.final_norm(x)
         state.length += 1
-        return torch.log_softmax(F.linear(x, self.embedding.weight).float(), dim=-1)
+        return torch.log_softmax(F.linear(x, self.output_weight).float(), dim=-1)
 
     @torch.inference_mode()
     def beam_search(self, src: Tensor, *, beam_size: int = 4, bos_id: int, eos_id: int,
@@ -620,7 +638,8 @@ class Transformer(nn.Module):
                                length_penalty=length_penalty, nbest=nbest)
         params, panels, output_panels = self._native_decoder_weights()
         torch.ops.fastattn.transformer_beam_search(
-            self.embedding.weight.detach(), self.embedding.positions(0, capacity),
+            self.embedding.weight.detach(), self.output_weight.detach(),
+            self.embedding.positions(0, capacity),
             self.embedding.scale, params, panels, output_panels,
             self.decoder.layers[0].feed_forward_norm.norm.eps, state.memory_k, state.memory_v,
             None if state.memory_bias is None else state.memory_bias.flatten(1), bos_id,
@@ -658,7 +677,7 @@ class Transformer(nn.Module):
             if self.embedding.weight.dtype == torch.float32:
                 pack = torch.ops.fastattn.pack_linear_weight
                 panels = [pack(m.weight.detach()) for maps in linears for m in maps]
-                output_panels = pack(self.embedding.weight.detach())
+                output_panels = pack(self.output_weight.detach())
             self._decoder_weights = params, panels, output_panels
             self._decoder_weights_key = key
         return self._decoder_weights

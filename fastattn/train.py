@@ -158,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--valid", nargs=2, metavar=("SRC", "TGT"), help="development text pair")
     add(g, "--test", nargs=2, metavar=("SRC", "TGT"), help="test text pair (optional)")
     add(g, "--vocab-size", type=int, default=8000, help="joint SentencePiece BPE vocabulary")
+    add(g, "--output-vocab", choices=("target", "all"), default="all",
+        help="the pieces the output softmax ranges over: 'target', those the target side of "
+        "the training text is made of (both sides with --bidirectional), numbered first so that "
+        "the projection is the tied embedding's first rows: a smaller softmax, the same "
+        "segmentation; 'all': the whole joint vocabulary")
     add(g, "--max-len", type=int, default=256, help="drop training pairs with a longer side")
     add(g, "--max-len-ratio", type=float, default=3.0,
         help="drop training pairs whose longer side is this many times the shorter")
@@ -324,6 +329,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in SIZE_FLAGS:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.output_vocab == "target" and args.bpe_dropout:
+        parser.error("--output-vocab target needs the text's own segmentation; --bpe-dropout "
+                     "samples other pieces too: add --output-vocab all")
     if args.lr_scale <= 0:
         parser.error("--lr-scale must be positive")
     if args.keep < args.average_last:
@@ -333,11 +341,13 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 # --- setup -------------------------------------------------------------------------------------
 
 
-def model_config(args: argparse.Namespace, vocab_size: int) -> TransformerConfig:
+def model_config(args: argparse.Namespace, vocab_size: int,
+                 output_vocab_size: int | None = None) -> TransformerConfig:
     """The preset with the model flags that were given applied to it."""
     overrides = {name: getattr(args, name) for name in MODEL_FLAGS
                  if getattr(args, name) is not None}
-    return replace(PRESETS[args.preset], vocab_size=vocab_size, pad_id=data.PAD_ID, **overrides)
+    return replace(PRESETS[args.preset], vocab_size=vocab_size,
+                   output_vocab_size=output_vocab_size, pad_id=data.PAD_ID, **overrides)
 
 
 @dataclass
@@ -491,6 +501,8 @@ def dev_loss(model: Transformer, split: Split, max_tokens: int,
     total = nll = tokens = 0.0
     for indices in data.TokenBatches(*lengths, max_tokens).epoch(0):
         batch = [t.to(device) for t in data.collate(split.src_ids, split.tgt_ids, indices)]
+        # The model can only predict <unk> for a piece outside its output vocabulary.
+        batch[2].masked_fill_(batch[2] >= model.cfg.output_size, data.UNK_ID)
         with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
             loss, batch_nll = model.loss(*batch, reduction="sum", return_nll=True)
         total, nll = total + float(loss), nll + float(batch_nll)
@@ -561,6 +573,7 @@ class Run:
             truecasers = data.Truecaser.train(raw.src), data.Truecaser.train(raw.tgt)
         self.source_truecaser = truecasers[0] if truecasers else None  # for translating
         model_text = {name: truecased(t, truecasers) for name, (t, _) in text.items()}
+        output_vocab_size = None
         if state is not None:
             self.spm_proto = state["spm"]
         else:
@@ -570,6 +583,15 @@ class Run:
             self.log(f"SentencePiece BPE, {args.vocab_size} joint pieces, trained on "
                      f"{2 * len(train)} {'truecased ' * args.truecase}sentences in "
                      f"{time.time() - started:.1f}s")
+            if args.output_vocab == "target":
+                sp = data.load_sentencepiece(self.spm_proto)
+                targets = train.tgt + train.src * bool(args.bidirectional)
+                pieces = {i for ids in data.encode(sp, targets) for i in ids}
+                self.spm_proto, output_vocab_size = data.pieces_first(self.spm_proto, pieces)
+                self.log(f"output vocabulary: the {output_vocab_size} pieces (special ones "
+                         f"included) of the training text's {args.tgt} side"
+                         f"{' and of its source side' * bool(args.bidirectional)}, numbered "
+                         "first")
         self.sp = data.load_sentencepiece(self.spm_proto)
         # Splits keep the raw text (BLEU is against it) beside the ids of the model's text.
         self.splits = {
@@ -624,10 +646,15 @@ class Run:
         if state is not None:  # a resumed run keeps its model, whatever the flags say now
             config = TransformerConfig(**state["config"])
         else:
-            config = model_config(args, self.sp.get_piece_size())
+            config = model_config(args, self.sp.get_piece_size(), output_vocab_size)
         self.config = config
         self.model = Transformer(config).to(self.device)
         self.log(f"model: {self.model.num_parameters():,} parameters, {config}")
+        if config.output_size < config.vocab_size:
+            dev = self.splits["valid"].tgt_ids
+            outside = sum(i >= config.output_size for ids in dev for i in ids)
+            self.log(f"dev: {outside} of {sum(map(len, dev))} target pieces are outside the "
+                     "output vocabulary (the dev loss counts them as <unk>)")
         # fused: one kernel over all parameters, not a loop of small ops per tensor
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0,
                                           betas=tuple(args.adam_betas), eps=args.adam_eps,

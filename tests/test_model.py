@@ -197,14 +197,18 @@ def test_decoding_one_row_per_sentence_then_beams(lengths, decoder_path):
 @pytest.mark.parametrize(("beam", "nbest", "penalty"), [(1, 1, "gnmt"), (3, 2, "pow"),
                                                         (5, 1, "gnmt")])
 @pytest.mark.parametrize("per_sentence_max_len", [False, True])
+@pytest.mark.parametrize("output_vocab_size", [None, 61])
 def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, penalty,
-                                                           per_sentence_max_len, monkeypatch):
+                                                           per_sentence_max_len,
+                                                           output_vocab_size, monkeypatch):
     """Transformer.beam_search's one native call (fastattn::transformer_beam_search) returns
     the tokens and scores, bit for bit, of fastattn.beam_search over decode_step: sentences of
-    different lengths finish at different steps and leave the batch."""
+    different lengths finish at different steps and leave the batch. With an output vocabulary
+    smaller than the input's, both predict from its pieces only."""
     if not fastattn.model._NATIVE_BEAM_SEARCH:
         pytest.skip("fastattn._C is not built: no native beam search")
-    model = make_model(replace(TINY, vocab_size=97)).to(dtype)
+    cfg = replace(TINY, vocab_size=97, output_vocab_size=output_vocab_size)
+    model = make_model(cfg).to(dtype)
     src = pad_after(tokens(5, 9), [9, 1, 4, 7, 2])
     max_len = torch.tensor([3, 12, 1, 8, 6]) if per_sentence_max_len else 9
     options = dict(beam_size=beam, nbest=nbest, bos_id=1, eos_id=2, max_len=max_len, alpha=0.8,
@@ -216,6 +220,7 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
         [[(h.tokens, h.score) for h in hyps] for hyps in stepwise]
     assert len(native[1]) == nbest  # (a max_len of 1 leaves room for one hypothesis: EOS)
     assert {len(hyps[0].tokens) for hyps in native} != {1}  # not all EOS at once
+    assert max(max(h.tokens) for hyps in native for h in hyps) < cfg.output_size
 
 
 def test_native_beam_search_does_not_depend_on_earlier_searches():
