@@ -14,9 +14,10 @@ state are fp32):
   ReLU                   5 e per element of the d_ff hidden forward + backward
   embeddings             8 e per element (gather, scale, positions, dropout and their backward)
                          + 4 V d for the dense embedding gradient
-  projection + loss      6 T d V FLOP; the weight read twice and its fp32 gradient written; logits
-                         exist only chunk by chunk, but each chunk goes through memory about
-                         4 times (written, normalised in place, read by the two matmuls)
+  projection + loss      6 T d V_out FLOP (V_out: the output vocabulary); the weight read twice
+                         and its fp32 gradient written; logits exist only chunk by chunk, but
+                         each chunk goes through memory about 4 times (written, normalised in
+                         place, read by the two matmuls)
   Adam                   28 bytes per parameter (read p, g, m, v; write p, m, v in fp32)
 Data-parallel communication is not counted: one device's compute and memory traffic only.
 """
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastattn.model import PRESETS, Transformer
+from fastattn.model import PRESETS, Transformer, TransformerConfig
 
 # The paper's batch, 25k source + 25k target tokens over 8 GPUs, per GPU: 3125 + 3125 tokens,
 # laid out as 125 sentences of 25 tokens each side (no padding).
@@ -47,6 +48,7 @@ class Shape:
     encoder_layers: int
     decoder_layers: int
     vocab: int
+    output_vocab: int
     parameters: int
     sentences: int
     src_len: int
@@ -54,7 +56,10 @@ class Shape:
 
 
 def preset_shape(preset: str, sentences: int, src_len: int, tgt_len: int) -> Shape:
-    cfg = PRESETS[preset]
+    return config_shape(PRESETS[preset], sentences, src_len, tgt_len)
+
+
+def config_shape(cfg: TransformerConfig, sentences: int, src_len: int, tgt_len: int) -> Shape:
     with torch.device("meta"):  # counts parameters without allocating them
         parameters = Transformer(cfg).num_parameters()
     return Shape(
@@ -64,6 +69,7 @@ def preset_shape(preset: str, sentences: int, src_len: int, tgt_len: int) -> Sha
         cfg.encoder_layers,
         cfg.decoder_layers,
         cfg.vocab_size,
+        cfg.output_size,
         parameters,
         sentences,
         src_len,
@@ -141,8 +147,9 @@ def training_step(s: Shape, e: int) -> list[Op]:
     ops.append(
         Op(
             "output projection + loss",
-            6 * tgt * d * s.vocab,
-            e * (2 * s.vocab * d + 2 * tgt * d + 4 * tgt * s.vocab) + 4 * s.vocab * d,
+            6 * tgt * d * s.output_vocab,
+            e * (2 * s.output_vocab * d + 2 * tgt * d + 4 * tgt * s.output_vocab)
+            + 4 * s.output_vocab * d,
             True,
         )
     )

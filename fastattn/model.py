@@ -144,7 +144,8 @@ def sinusoids(length: int, d_model: int) -> Tensor:
 
 class Embedding(nn.Module):
     """Token embedding · √d_model + position, then dropout (3.4, 3.5, 5.4). The one matrix is
-    shared by source, target and the pre-softmax projection (3.4)."""
+    shared by source, target and the pre-softmax projection (3.4); with an output vocabulary,
+    the projection is its first output_vocab_size rows (Transformer.output_weight)."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()

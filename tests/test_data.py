@@ -160,6 +160,28 @@ def multi30k_bpe():
     return sp, data.encode(sp, sentences)
 
 
+def test_pieces_first_renumbers_the_pieces_and_keeps_the_segmentation():
+    train = data.load_multi30k("train", "en", "de")
+    en, de = train.src[:2000], train.tgt[:2000]
+    proto = data.train_sentencepiece(en + de, vocab_size=1000)
+    sp = data.load_sentencepiece(proto)
+    german = {i for ids in data.encode(sp, de) for i in ids}
+    renumbered, first = data.pieces_first(proto, german)
+    assert first == data.EOS_ID + 1 + len(german) < 1000  # the test means something
+    sp2 = data.load_sentencepiece(renumbered)
+    assert sp2.get_piece_size() == 1000
+    assert (sp2.pad_id(), sp2.unk_id(), sp2.bos_id(), sp2.eos_id()) == (
+        data.PAD_ID, data.UNK_ID, data.BOS_ID, data.EOS_ID)
+    assert [sp2.id_to_piece(i) for i in range(4, first)] == \
+        [sp.id_to_piece(i) for i in sorted(german)]
+    for text in (en, de):
+        assert sp2.encode(text, out_type=str) == sp.encode(text, out_type=str)
+    assert {i for ids in data.encode(sp2, de) for i in ids} == set(range(4, first))
+    assert data.pieces_first(proto, []) == (proto, 4)  # nothing chosen: the same numbering
+    with pytest.raises(ValueError, match="piece id 1000 is outside the vocabulary of 1000"):
+        data.pieces_first(proto, [5, 1000])
+
+
 def test_bpe_dropout_at_zero_is_sentencepiece_bpe(multi30k_bpe):
     sp, ids = multi30k_bpe
     dropout = data.BPEDropout(sp, ids[:10], p=0.5, samples=1)

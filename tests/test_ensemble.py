@@ -19,9 +19,11 @@ from fastattn.translate import Translator
 VOCAB = 300
 
 
-def member(seed: int, vocab_size: int = VOCAB) -> Transformer:
+def member(seed: int, vocab_size: int = VOCAB, output_vocab_size: int | None = None
+           ) -> Transformer:
     torch.manual_seed(seed)
-    model = Transformer.from_preset("tiny", vocab_size=vocab_size, dropout=0.0).eval()
+    model = Transformer.from_preset("tiny", vocab_size=vocab_size,
+                                    output_vocab_size=output_vocab_size, dropout=0.0).eval()
     with torch.no_grad():  # sharper next-token distributions: fewer near-ties between hypotheses
         model.embedding.weight.mul_(4)
     return model
@@ -97,6 +99,9 @@ def test_beam_search_scores_are_the_ensembles_log_probability_of_the_hypothesis(
 def test_members_must_share_a_vocabulary():
     with pytest.raises(ValueError, match="one vocabulary"):
         Ensemble([member(1), member(2, vocab_size=VOCAB + 1)])
+    with pytest.raises(ValueError, match=r"output vocabulary, got \(vocabulary, output\) sizes "
+                       rf"\[\({VOCAB}, 200\), \({VOCAB}, {VOCAB}\)\]"):
+        Ensemble([member(1), member(2, output_vocab_size=200)])
     with pytest.raises(ValueError, match="at least one member"):
         Ensemble([])
 

@@ -20,6 +20,7 @@ VARIANTS = {
     "pre_norm": replace(TINY, pre_norm=True),
     "learned_positions": replace(TINY, positions="learned", max_len=16),
     "d_k_ne_d_v": replace(TINY, d_k=4, d_v=6, encoder_layers=1),
+    "output_vocab": replace(TINY, output_vocab_size=17),
 }
 TOL = {"atol": 2e-5, "rtol": 1e-4}
 
@@ -324,6 +325,32 @@ def test_fused_loss_equals_label_smoothed_cross_entropy_of_logits(reduction):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
 
 
+def test_output_vocabulary_is_the_first_rows_of_the_tied_embedding():
+    """With output_vocab_size n, the softmax ranges over ids [0, n) and the sources over all:
+    logits, loss and gradients are those of the full model with its logits cut to the first n
+    (both in float64)."""
+    n = 17
+    full = make_model(replace(TINY, dropout=0.0)).double()
+    model = make_model(replace(TINY, dropout=0.0, output_vocab_size=n)).double()
+    model.load_state_dict(full.state_dict())
+    src = pad_after(tokens(3, 6), [6, 3, 5])
+    assert src.max() >= n  # the sources use pieces outside the output vocabulary
+    tgt = pad_after(1 + tokens(3, 6, seed=2) % (n - 1), [6, 2, 4])
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+    logits = full(src, tgt_in)[..., :n]
+    torch.testing.assert_close(model(src, tgt_in), logits)
+    loss = model.loss(src, tgt_in, tgt_out)
+    expected = F.cross_entropy(logits.transpose(1, 2), tgt_out, ignore_index=PAD,
+                               label_smoothing=0.1)
+    torch.testing.assert_close(loss, expected)
+    grads = torch.autograd.grad(loss * 1.7, list(model.parameters()))
+    expected_grads = torch.autograd.grad(expected * 1.7, list(full.parameters()))
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e)
+    with pytest.raises(ValueError, match=f"target {V - 1} is out of range for {n} classes"):
+        model.loss(src, tgt_in, tgt_out.masked_fill(tgt_out == tgt_out.max(), V - 1))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl(reduction):
     """R-Drop's loss against the same two passes (one forward of the doubled batch, the same
@@ -469,6 +496,9 @@ def test_bad_configuration_and_inputs_raise_clear_errors():
         TransformerConfig(positions="rotary")
     with pytest.raises(ValueError, match="pad_id"):
         TransformerConfig(vocab_size=10, pad_id=10)
+    for size in (0, 11):
+        with pytest.raises(ValueError, match=r"output_vocab_size must be in \[1, vocab_size 10\]"):
+            TransformerConfig(vocab_size=10, output_vocab_size=size)
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
         Transformer.from_preset("huge")
     model = make_model()
