@@ -58,6 +58,7 @@ PAPER = {
     "precision": "fp32 (P100 GPUs)",
     "members": "1 (single models)",
     "alpha": "0.6",
+    "output_vocab": "all (the shared vocabulary)",
 }
 
 
@@ -158,11 +159,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--valid", nargs=2, metavar=("SRC", "TGT"), help="development text pair")
     add(g, "--test", nargs=2, metavar=("SRC", "TGT"), help="test text pair (optional)")
     add(g, "--vocab-size", type=int, default=8000, help="joint SentencePiece BPE vocabulary")
-    add(g, "--output-vocab", choices=("target", "all"), default="all",
-        help="the pieces the output softmax ranges over: 'target', those the target side of "
-        "the training text is made of (both sides with --bidirectional), numbered first so that "
-        "the projection is the tied embedding's first rows: a smaller softmax, the same "
-        "segmentation; 'all': the whole joint vocabulary")
+    add(g, "--output-vocab", choices=("target", "all"),
+        help="the pieces the output softmax ranges over (not in the paper): 'target', those the "
+        "target side of the training text is made of (both sides with --bidirectional), "
+        "numbered first so that the projection is the tied embedding's first rows: a smaller "
+        "softmax, the same segmentation; 'all': the whole joint vocabulary (default: target; "
+        "all with --bpe-dropout, whose pieces vary)")
     add(g, "--max-len", type=int, default=256, help="drop training pairs with a longer side")
     add(g, "--max-len-ratio", type=float, default=3.0,
         help="drop training pairs whose longer side is this many times the shorter")
@@ -329,9 +331,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in SIZE_FLAGS:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.output_vocab == "target" and args.bpe_dropout:
+    if args.output_vocab is None:
+        args.output_vocab = "all" if args.bpe_dropout else "target"
+    elif args.output_vocab == "target" and args.bpe_dropout:
         parser.error("--output-vocab target needs the text's own segmentation; --bpe-dropout "
-                     "samples other pieces too: add --output-vocab all")
+                     "samples other pieces too")
     if args.lr_scale <= 0:
         parser.error("--lr-scale must be positive")
     if args.keep < args.average_last:

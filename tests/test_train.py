@@ -181,6 +181,9 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--warmup", "many"], "invalid int value"),
         (["--alpha", "0.6,-1"], "length penalty exponents must be >= 0"),
         (["--alpha", "0.6;1"], "not a comma-separated list of numbers"),
+        (["--output-vocab", "source"], "invalid choice"),
+        (["--output-vocab", "target", "--bpe-dropout", "0.1"],
+         "--output-vocab target needs the text's own segmentation"),
     ],
 )
 def test_bad_flags(argv, message, capsys):
@@ -312,6 +315,48 @@ def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
     args.threads = 0
     resumed = train_module.Run(args)
     assert resumed.args.truecase and resumed.splits["train"].src_ids == train.src_ids
+
+
+def test_output_vocab_is_the_target_side_unless_bpe_dropout_varies_the_pieces():
+    assert parse_args([]).output_vocab == "target"
+    assert parse_args(["--bpe-dropout", "0.1"]).output_vocab == "all"
+    assert parse_args(["--output-vocab", "all"]).output_vocab == "all"
+
+
+@pytest.mark.parametrize("bidirectional", [0, 5])
+def test_output_vocab_target_numbers_the_target_pieces_first_and_a_resumed_run_keeps_it(
+        tmp_path, bidirectional):
+    paths = corpus(tmp_path, lines=40)
+    runs = {}
+    for choice in ("all", "target"):
+        args = parse_args(train_command(paths, tmp_path / choice, "--output-vocab", choice,
+                                        "--bidirectional", bidirectional)[3:])
+        args.threads = 0  # keep this process's thread count
+        runs[choice] = train_module.Run(args)
+    full, run = runs["all"], runs["target"]
+    assert full.config.output_size == full.config.vocab_size == run.config.vocab_size
+    n = run.config.output_size
+    train = run.splits["train"]
+    outputs = train.tgt_ids + train.src_ids * bool(bidirectional)  # BiT: sources are targets
+    assert {i for ids in outputs for i in ids} == set(range(data.EOS_ID + 1, n))
+    if not bidirectional:
+        assert max(map(max, train.src_ids)) >= n  # English-only pieces come after
+    for name, split in run.splits.items():  # the same segmentation, numbered otherwise
+        for ours, theirs in ((split.src_ids, full.splits[name].src_ids),
+                             (split.tgt_ids, full.splits[name].tgt_ids)):
+            assert [list(map(run.sp.id_to_piece, ids)) for ids in ours] == \
+                [list(map(full.sp.id_to_piece, ids)) for ids in theirs]
+    if not bidirectional:  # dev pieces the model cannot predict count as <unk> in the dev loss
+        assert max(map(max, run.splits["valid"].tgt_ids)) >= n
+        loss, nll = train_module.dev_loss(run.model, run.splits["valid"], 300, None)
+        assert math.isfinite(loss) and math.isfinite(nll)
+
+    run.save()
+    args = parse_args(train_command(paths, tmp_path / "target", "--resume", "--output-vocab",
+                                    "all", "--bidirectional", bidirectional)[3:])
+    args.threads = 0
+    resumed = train_module.Run(args)
+    assert resumed.config == run.config and resumed.splits["train"].tgt_ids == train.tgt_ids
 
 
 def test_word_dropout_hides_source_and_decoder_input_pieces_but_not_targets(tmp_path):
