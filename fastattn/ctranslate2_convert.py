@@ -5,11 +5,13 @@
 CTranslate2 (`pip install ctranslate2`, the "bench" extra) is never needed to use fastattn; only
 this converter and benchmarks/bench_decoding.py import it. The model maps one to one onto
 CTranslate2's TransformerSpec: fused QKV and KV projections, post-norm (or pre-norm) layers,
-embeddings scaled by √d_model and shared with the output projection, and our position table
-(sinusoids interleaved sin/cos per dimension pair, as in the paper, which CTranslate2's own
-default table does not do, or learned positions). Sources given to CTranslate2 are SentencePiece
-pieces ending with "</s>", as fastattn's are; those of a model trained with --truecase come from
-truecased text (fastattn.Translator does that, and detruecases translations).
+embeddings scaled by √d_model and shared with the output projection (the decoder's embedding
+and the projection are the rows of the output vocabulary, CTranslate2's target vocabulary), and
+our position table (sinusoids interleaved sin/cos per dimension pair, as in the paper, which
+CTranslate2's own default table does not do, or learned positions). Sources given to
+CTranslate2 are SentencePiece pieces ending with "</s>", as fastattn's are; those of a model
+trained with --truecase come from truecased text (fastattn.Translator does that, and
+detruecases translations).
 """
 
 from __future__ import annotations
