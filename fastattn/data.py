@@ -182,7 +182,8 @@ def train_sentencepiece(
             minloglevel=2,
         )
     except RuntimeError as e:  # e.g. fewer pieces than distinct characters, or more than possible
-        reason = str(e).split("] ", 1)[-1]
+        reason = (str(e).split("] ", 1)[-1].strip()  # empty when the special pieces do not fit
+                  or "too few for the special pieces and the text's characters")
         raise DataError(f"cannot build a {vocab_size}-piece vocabulary from this text "
                         f"(SentencePiece: {reason})") from None
     return buffer.getvalue()

@@ -338,6 +338,16 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      "samples other pieces too")
     if args.lr_scale <= 0:
         parser.error("--lr-scale must be positive")
+    if not all(0 <= beta < 1 for beta in args.adam_betas):
+        parser.error("--adam-betas must be in [0, 1)")
+    if not args.adam_eps >= 0:
+        parser.error("--adam-eps must not be negative")
+    if not args.max_len_ratio >= 1:
+        parser.error("--max-len-ratio must be at least 1 (longer side / shorter side)")
+    preset = PRESETS[args.preset]
+    d_model, heads = args.d_model or preset.d_model, args.heads or preset.heads
+    if (preset.d_k is None or preset.d_v is None) and d_model % heads:  # heads are d_model / h
+        parser.error(f"--d-model {d_model} must be divisible by --heads {heads}")
     if args.keep < args.average_last:
         parser.error(f"--keep {args.keep} must be at least --average-last {args.average_last}")
 
@@ -610,6 +620,10 @@ class Run:
         self.log(f"training pairs: {counts['kept']} kept, {counts['too_long']} dropped as "
                  f"longer than {args.max_len} tokens, {counts['bad_ratio']} dropped for a length "
                  f"ratio over {args.max_len_ratio}")
+        if not keep:
+            raise data.DataError(f"no training pair is left after length filtering; raise "
+                                 f"--max-len ({args.max_len}) or --max-len-ratio "
+                                 f"({args.max_len_ratio})")
         # Training pair j is (sentences[j], sentences[partner(j)]): j < n the pairs as given,
         # n <= j < 2n the same pairs reversed (used by --bidirectional).
         self.pairs = n = len(keep)
@@ -628,6 +642,13 @@ class Run:
             self.log(f"BPE-dropout {args.bpe_dropout}: {self.bpe_dropout.samples} segmentations "
                      f"of each of {len(self.bpe_dropout.segmentations)} words drawn in "
                      f"{time.time() - started:.1f}s, {growth:.2f}x the tokens on average")
+
+        longest = max(lengths[j] + lengths[self.partner(j)] for j in range(n)) + 2  # with </s>
+        if args.max_tokens < longest:
+            raise data.DataError(f"--max-tokens {args.max_tokens} is less than the longest "
+                                 f"training pair, {longest} tokens (source + target, end marks "
+                                 f"included); raise --max-tokens or lower --max-len "
+                                 f"({args.max_len})")
 
         def batches(pairs: int) -> data.TokenBatches:  # of the first `pairs` pairs
             return data.TokenBatches(

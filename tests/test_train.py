@@ -182,6 +182,11 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--alpha", "0.6,-1"], "length penalty exponents must be >= 0"),
         (["--alpha", "0.6;1"], "not a comma-separated list of numbers"),
         (["--output-vocab", "source"], "invalid choice"),
+        (["--adam-betas", "0.9", "1"], "--adam-betas must be in [0, 1)"),
+        (["--adam-eps=-1e-9"], "--adam-eps must not be negative"),
+        (["--max-len-ratio", "0.5"], "--max-len-ratio must be at least 1"),
+        (["--heads", "3"], "--d-model 128 must be divisible by --heads 3"),
+        (["--preset", "base", "--d-model", "100"], "--d-model 100 must be divisible by --heads 8"),
         (["--output-vocab", "target", "--bpe-dropout", "0.1"],
          "--output-vocab target needs the text's own segmentation"),
     ],
@@ -702,6 +707,21 @@ def test_bad_data_is_one_clear_line(tmp_path, problem, fragments):
     result = run_cli("--data", "files", "--train", src, tgt, "--valid", src, src,
                      "--save-dir", tmp_path / "out")
     assert_one_line_error(result, str(tgt) if problem != "misaligned" else str(src), *fragments)
+
+
+@pytest.mark.parametrize(
+    ("flags", "fragments"),
+    [(["--max-len", "2"], ["no training pair is left after length filtering", "--max-len (2)"]),
+     (["--max-tokens", "5"], ["--max-tokens 5 is less than the longest training pair, 10 tokens"]),
+     (["--vocab-size", "3"], ["cannot build a 3-piece vocabulary", "too few for the special"])],
+)
+def test_text_the_flags_cannot_train_on_is_one_clear_line(tmp_path, flags, fragments):
+    src, tgt = tmp_path / "train.en", tmp_path / "train.de"
+    src.write_text("a cat\na dog\na bird\n")
+    tgt.write_text("eine Katze\nein Hund\nein Vogel\n")
+    result = run_cli("--data", "files", "--train", src, tgt, "--valid", src, tgt, "--vocab-size",
+                     "40", "--members", "1", "--save-dir", tmp_path / "out", *flags)
+    assert_one_line_error(result, *fragments)
 
 
 def test_corrupt_checkpoint_on_resume_is_one_clear_line(tmp_path):
