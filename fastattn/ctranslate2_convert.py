@@ -105,7 +105,7 @@ def convert(model: Transformer, sp, output_dir: str | Path, force: bool = False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from fastattn.checkpoint import load_model
+    from fastattn.checkpoint import CheckpointError, load_model
 
     parser = argparse.ArgumentParser(prog="python -m fastattn.ctranslate2_convert",
                                      description=__doc__.split("\n\n")[0],
@@ -114,11 +114,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output dir")
     args = parser.parse_args(argv)
-    model, sp, meta = load_model(args.checkpoint)
+    try:
+        model, sp, meta = load_model(args.checkpoint)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
     if "members" in meta:  # CTranslate2 models are single Transformers
         raise SystemExit(f"error: {args.checkpoint} is an ensemble; convert one of its members "
                          f"({', '.join(meta['members'])})")
-    print(convert(model, sp, args.output_dir, args.force))
+    try:
+        print(convert(model, sp, args.output_dir, args.force))
+    except (ValueError, FileExistsError) as e:  # a shape CTranslate2 lacks; an occupied directory
+        raise SystemExit(f"error: {e}") from None
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"error: converting needs {e.name} (pip install ctranslate2)") from None
 
 
 if __name__ == "__main__":

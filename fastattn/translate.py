@@ -287,6 +287,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"need --beam >= 1 and 1 <= --nbest <= --beam, got {args.beam}, {args.nbest}")
     if args.batch_tokens < 1 or args.window < 1 or args.max_len_b < 0 or args.max_len_a < 0:
         parser.error("--batch-tokens and --window must be positive, --max-len-a/b not negative")
+    if args.alpha is not None and not args.alpha >= 0:
+        parser.error(f"--alpha must not be negative, got {args.alpha}")
+    heads = args.attention_heads
+    if heads is not None and not all(h.strip().isdigit() and int(h) >= 1 for h in heads.split(",")):
+        parser.error(f"--attention-heads takes 1-based head numbers like 1,3, got {heads!r}")
     return args
 
 
@@ -303,27 +308,43 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
-    source = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")
+    name = "stdin" if args.input == "-" else args.input
+    try:
+        source = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")
+    except OSError as e:
+        raise SystemExit(f"error: --input {args.input}: {e.strerror}") from None
     with source:
-        if args.plot_attention:
-            sentence = next(iter(source), None)
-            if sentence is None:
-                raise SystemExit("error: --plot-attention needs one input line")
-            heads = args.attention_heads
-            heads = None if heads is None else [int(h) - 1 for h in heads.split(",")]
-            layer = None if args.attention_layer is None else args.attention_layer - 1
-            translator.plot_attention(sentence.rstrip("\n"), args.plot_attention, layer, heads,
-                                      args.attention)
-            return
-        out = sys.stdout
-        for line, hypotheses in enumerate(translator.stream(source)):
-            if args.nbest > 1:
-                for h in hypotheses:
-                    out.write(f"{line}\t{h.score:.4f}\t{h.text}\n")
-            else:
-                best = hypotheses[0] if hypotheses else Translation("", -math.inf, [])
-                out.write(f"{best.score:.4f}\t{best.text}\n" if args.scores else f"{best.text}\n")
-            out.flush()
+        _translate(translator, _utf8_lines(source, name), args)
+
+
+def _utf8_lines(binary: Iterable[bytes], name: str) -> Iterator[str]:
+    """Lines without their line break; invalid UTF-8 stops with the line's number."""
+    for number, raw in enumerate(binary, 1):
+        try:
+            yield raw.decode("utf-8").rstrip("\r\n")
+        except UnicodeDecodeError as e:
+            raise SystemExit(f"error: {name}:{number}: invalid UTF-8 ({e.reason})") from None
+
+
+def _translate(translator: Translator, lines: Iterator[str], args: argparse.Namespace) -> None:
+    if args.plot_attention:
+        sentence = next(lines, None)
+        if sentence is None:
+            raise SystemExit("error: --plot-attention needs one input line")
+        heads = args.attention_heads
+        heads = None if heads is None else [int(h) - 1 for h in heads.split(",")]
+        layer = None if args.attention_layer is None else args.attention_layer - 1
+        translator.plot_attention(sentence, args.plot_attention, layer, heads, args.attention)
+        return
+    out = sys.stdout
+    for line, hypotheses in enumerate(translator.stream(lines)):
+        if args.nbest > 1:
+            for h in hypotheses:
+                out.write(f"{line}\t{h.score:.4f}\t{h.text}\n")
+        else:
+            best = hypotheses[0] if hypotheses else Translation("", -math.inf, [])
+            out.write(f"{best.score:.4f}\t{best.text}\n" if args.scores else f"{best.text}\n")
+        out.flush()
 
 
 if __name__ == "__main__":

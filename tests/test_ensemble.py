@@ -182,6 +182,10 @@ def test_command_line_builds_an_ensemble_that_translate_reads(tmp_path, spm_prot
     result = run_module("fastattn.ctranslate2_convert", "--checkpoint", tmp_path / "e.pt",
                         "--output-dir", tmp_path / "ct2")  # CTranslate2 has no ensembles
     assert result.returncode == 1 and "is an ensemble; convert one of its members" in result.stderr
+    result = run_module("fastattn.ctranslate2_convert", "--checkpoint", tmp_path / "none.pt",
+                        "--output-dir", tmp_path / "ct2")
+    assert result.returncode == 1 and result.stderr.strip() == (
+        f"error: {tmp_path / 'none.pt'}: no such checkpoint")
 
     damaged = tmp_path / "damaged.pt"
     damaged.write_bytes(paths[0].read_bytes()[:500])

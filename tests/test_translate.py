@@ -118,7 +118,8 @@ def test_stream_reads_only_a_window_ahead(checkpoint):
 
 
 def run_cli(monkeypatch, capsys, args, lines):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(f"{line}\n" for line in lines)))
+    text = "".join(f"{line}\n" for line in lines)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
     main(args)
     return capsys.readouterr().out.splitlines()
 
@@ -141,6 +142,9 @@ def test_command_line(checkpoint, monkeypatch, capsys):
 
     greedy = run_cli(monkeypatch, capsys, [*base, "--beam", "1"], SENTENCES[:3])
     assert len(greedy) == 3
+
+    crlf = run_cli(monkeypatch, capsys, base, [f"{s}\r" for s in SENTENCES])  # Windows lines
+    assert crlf == best
 
 
 def test_plot_attention(checkpoint, monkeypatch, capsys, tmp_path):
@@ -174,3 +178,15 @@ def test_bad_input_is_named(checkpoint, tmp_path, monkeypatch, capsys):
     assert "--nbest" in capsys.readouterr().err
     with pytest.raises(ValueError, match="nbest"):
         Translator.from_checkpoint(checkpoint, beam_size=2, nbest=3)
+    base = ["--checkpoint", str(checkpoint)]
+    for flags, message in [(["--alpha=-1"], "--alpha must not be negative"),
+                           (["--attention-heads", "1,x"], "--attention-heads takes 1-based")]:
+        with pytest.raises(SystemExit):
+            main(base + flags)
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=f"--input {tmp_path / 'none'}: No such file"):
+        main([*base, "--input", str(tmp_path / "none")])
+    latin1 = tmp_path / "latin1.en"
+    latin1.write_bytes(SENTENCES[0].encode() + b"\nA caf\xe9.\n")
+    with pytest.raises(SystemExit, match=f"{latin1}:2: invalid UTF-8"):
+        main([*base, "--input", str(latin1)])
