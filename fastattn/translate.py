@@ -223,7 +223,8 @@ class Translator:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        depth = len(self.model.encoder.layers if kind == "encoder" else self.model.decoder.layers)
+        model = self.model.members[0] if isinstance(self.model, Ensemble) else self.model
+        depth = len(model.encoder.layers if kind == "encoder" else model.decoder.layers)
         layer = max(depth - 2, 0) if layer is None else layer
         queries, keys, weights = self.attention(sentence, layer, kind)
         heads = list(range(weights.shape[0])) if heads is None else list(heads)
@@ -334,6 +335,16 @@ def _translate(translator: Translator, lines: Iterator[str], args: argparse.Name
         heads = args.attention_heads
         heads = None if heads is None else [int(h) - 1 for h in heads.split(",")]
         layer = None if args.attention_layer is None else args.attention_layer - 1
+        model = translator.model
+        model = model.members[0] if isinstance(model, Ensemble) else model
+        stack = model.encoder.layers if args.attention == "encoder" else model.decoder.layers
+        if layer is not None and not 0 <= layer < len(stack):
+            raise SystemExit(f"error: --attention-layer {args.attention_layer}: the model has "
+                             f"layers 1 to {len(stack)}")
+        count = stack[0].self_attention.heads
+        if heads is not None and max(heads) >= count:
+            raise SystemExit(f"error: --attention-heads {args.attention_heads}: the model has "
+                             f"heads 1 to {count}")
         translator.plot_attention(sentence, args.plot_attention, layer, heads, args.attention)
         return
     out = sys.stdout

@@ -178,6 +178,10 @@ def test_command_line_builds_an_ensemble_that_translate_reads(tmp_path, spm_prot
                         "--max-len-b", 4, stdin="A dog runs.\nA woman.\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == expected
+    result = run_module("fastattn.translate", "--checkpoint", tmp_path / "e.pt", "--max-len-b", 4,
+                        "--plot-attention", tmp_path / "a.png", stdin="A dog runs.\n")
+    assert result.returncode == 0, result.stderr  # the first member's attention
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
 
     result = run_module("fastattn.ctranslate2_convert", "--checkpoint", tmp_path / "e.pt",
                         "--output-dir", tmp_path / "ct2")  # CTranslate2 has no ensembles

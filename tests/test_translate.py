@@ -184,6 +184,13 @@ def test_bad_input_is_named(checkpoint, tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit):
             main(base + flags)
         assert message in capsys.readouterr().err
+    plot = [*base, "--plot-attention", str(tmp_path / "a.png")]
+    for flags, message in [(["--attention-layer", "3"], "the model has layers 1 to 2"),
+                           (["--attention-layer", "0"], "the model has layers 1 to 2"),
+                           (["--attention-heads", "2,5"], "the model has heads 1 to 4")]:
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"A dog.\n")))
+        with pytest.raises(SystemExit, match=message):
+            main(plot + flags)
     with pytest.raises(SystemExit, match=f"--input {tmp_path / 'none'}: No such file"):
         main([*base, "--input", str(tmp_path / "none")])
     latin1 = tmp_path / "latin1.en"
