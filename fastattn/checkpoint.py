@@ -106,10 +106,16 @@ def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
     if not paths:
         raise CheckpointError("no checkpoints to average")
     total: dict[str, torch.Tensor] = {}
-    last: dict[str, Any] = {}
+    first: dict[str, Any] = {}
     for path in paths:
         last = load_checkpoint(path)
-        if total and last["model"].keys() != total.keys():
+        first = first or last
+        # Only the same model, numbering its pieces the same way, averages meaningfully.
+        if last["config"] != first["config"]:
+            raise CheckpointError(f"{path}: its model configuration differs from {paths[0]}'s")
+        if last["spm"] != first["spm"]:
+            raise CheckpointError(f"{path}: its SentencePiece model differs from {paths[0]}'s")
+        if last["model"].keys() != first["model"].keys():
             raise CheckpointError(f"{path}: its parameters differ from {paths[0]}'s")
         for name, tensor in last["model"].items():
             if tensor.is_floating_point():

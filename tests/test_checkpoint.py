@@ -108,12 +108,17 @@ def test_average(tmp_path):
     assert averaged["meta"]["step"] == 2 and "train" not in averaged
 
 
-def test_average_rejects_different_models(tmp_path):
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda b: b["model"].update(extra=torch.zeros(1)), "parameters differ"),
+    (lambda b: b["config"].update(a=2), "model configuration differs"),  # e.g. another width
+    (lambda b: b.update(spm=b"\x00other proto"), "SentencePiece model differs"),
+])
+def test_average_rejects_different_models(tmp_path, change, message):
     a, b = state(), state()
-    b["model"]["extra"] = torch.zeros(1)
+    change(b)
     checkpoint.save_checkpoint(tmp_path / "a.pt", a)
     checkpoint.save_checkpoint(tmp_path / "b.pt", b)
-    with pytest.raises(checkpoint.CheckpointError, match="parameters differ"):
+    with pytest.raises(checkpoint.CheckpointError, match=f"b.pt: its {message}"):
         checkpoint.average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
 
 
