@@ -45,6 +45,13 @@ SIZE_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads")
 DROPOUT_FLAGS = ("dropout", "attention_dropout", "activation_dropout")
 # the preset gives each of these unless the flag is given (table3-D3/D4 vary label smoothing)
 MODEL_FLAGS = SIZE_FLAGS + DROPOUT_FLAGS + ("label_smoothing",)
+# A resumed run keeps its checkpoint's model, vocabulary and task: these flags, given anew with
+# other values, are an error. The trajectory flags it takes as given, with a note in the log.
+CHECKPOINT_FLAGS = ("data", "src", "tgt", "vocab_size", "output_vocab", "truecase", "preset",
+                    *MODEL_FLAGS)
+TRAJECTORY_FLAGS = ("train", "seed", "max_tokens", "update_freq", "lr_scale", "warmup",
+                    "adam_betas", "adam_eps", "rdrop", "clip_norm", "word_dropout", "bpe_dropout",
+                    "bidirectional", "max_len", "max_len_ratio")
 
 # Paper values where the defaults differ, shown by --help.
 PAPER = {
@@ -250,7 +257,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add(g, "--save-every-minutes", type=float, default=0.0, help="also save every M minutes")
     add(g, "--keep", type=int, default=20, help="numbered checkpoints to keep")
     add(g, "--resume", action="store_true", help="continue from the newest checkpoint in "
-        "--save-dir exactly where it stopped")
+        "--save-dir exactly where it stopped, with its model, vocabulary and task (flags given "
+        "for these must match it); other flags given with new values apply, with a note")
     add(g, "--average-last", type=int, default=20,
         help="average the last k checkpoints for the final model (1: no averaging)")
 
@@ -275,6 +283,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     args = parser.parse_args(argv)
     _check_args(parser, args)
+    # The flags on the command line, told apart from defaults (--resume compares them): parsed
+    # again over placeholders, which defaults do not replace.
+    unset = object()
+    again = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
+    args.given = sorted(name for name, value in vars(again).items() if value is not unset)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
@@ -353,6 +366,39 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 # --- setup -------------------------------------------------------------------------------------
+
+
+def _resumed_flags(args: argparse.Namespace, state: dict[str, Any], path: Path) -> list[str]:
+    """Notes on the trajectory flags given with other values than the checkpoint's run had;
+    a checkpoint flag given so is a CheckpointError."""
+    saved = state["meta"]["args"]
+    notes = []
+    for name in args.given:
+        if name not in CHECKPOINT_FLAGS + TRAJECTORY_FLAGS:
+            continue
+        then = state["config"][name] if name in MODEL_FLAGS else saved.get(name)
+        now = getattr(args, name)
+        if isinstance(now, (list, tuple)):
+            then, now = list(then or ()), list(now)
+        if then == now:
+            continue
+        if name in CHECKPOINT_FLAGS:
+            raise checkpoint.CheckpointError(
+                f"{path} was trained with {_flag(name, then)}, this command gives "
+                f"{_flag(name, now)}: a resumed run keeps its model, vocabulary and task (drop "
+                f"{_flag(name, now).split()[0]}, or use another --save-dir)")
+        notes.append(f"--resume: {_flag(name, now)} instead of the checkpoint's "
+                     f"{_flag(name, then)}; the run goes on with it, so it is no longer the "
+                     "uninterrupted run's")
+    return notes
+
+
+def _flag(name: str, value: Any) -> str:
+    """The command-line text giving flag `name` this value."""
+    flag = f"--{name.replace('_', '-')}"
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
 
 
 def model_config(args: argparse.Namespace, vocab_size: int,
@@ -577,6 +623,9 @@ class Run:
             self.log(f"--resume: no checkpoint in {args.save_dir} yet, starting afresh")
         state = checkpoint.load_checkpoint(resume[0]) if resume else None
 
+        if state is not None:
+            for note in _resumed_flags(args, state, resume[0]):
+                self.log(note)
         text = load_text(args)
         # A resumed run keeps the text processing its vocabulary was built for.
         if state is not None:

@@ -318,6 +318,11 @@ def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
 
     args = parse_args(train_command(paths, tmp_path / "run", "--resume", "--no-truecase")[3:])
     args.threads = 0
+    with pytest.raises(checkpoint.CheckpointError, match="trained with --truecase, this command "
+                       "gives --no-truecase"):
+        train_module.Run(args)
+    args = parse_args(train_command(paths, tmp_path / "run", "--resume")[3:])
+    args.threads = 0
     resumed = train_module.Run(args)
     assert resumed.args.truecase and resumed.splits["train"].src_ids == train.src_ids
 
@@ -357,8 +362,12 @@ def test_output_vocab_target_numbers_the_target_pieces_first_and_a_resumed_run_k
         assert math.isfinite(loss) and math.isfinite(nll)
 
     run.save()
-    args = parse_args(train_command(paths, tmp_path / "target", "--resume", "--output-vocab",
-                                    "all", "--bidirectional", bidirectional)[3:])
+    resume = train_command(paths, tmp_path / "target", "--resume", "--bidirectional", bidirectional)
+    args = parse_args([*resume[3:], "--output-vocab", "all"])
+    args.threads = 0
+    with pytest.raises(checkpoint.CheckpointError, match="--output-vocab target, this command"):
+        train_module.Run(args)
+    args = parse_args(resume[3:])
     args.threads = 0
     resumed = train_module.Run(args)
     assert resumed.config == run.config and resumed.splits["train"].tgt_ids == train.tgt_ids
@@ -722,6 +731,27 @@ def test_text_the_flags_cannot_train_on_is_one_clear_line(tmp_path, flags, fragm
     result = run_cli("--data", "files", "--train", src, tgt, "--valid", src, tgt, "--vocab-size",
                      "40", "--members", "1", "--save-dir", tmp_path / "out", *flags)
     assert_one_line_error(result, *fragments)
+
+
+def test_resume_refuses_another_model_and_notes_another_trajectory(tmp_path):
+    paths = corpus(tmp_path, lines=20)
+    save_dir = tmp_path / "run"
+
+    def train(*flags):
+        return subprocess.run(train_command(paths, save_dir, *flags), capture_output=True,
+                              text=True, timeout=300, env=TORCH_OPS)
+
+    assert train("--max-updates", 2, "--save-every", 2).returncode == 0
+    for flags, given in [(["--d-model", 32], "--d-model 32"), (["--src", "de", "--tgt", "en"],
+                         "--src de"), (["--no-truecase"], "--no-truecase")]:
+        result = train("--max-updates", 3, "--resume", *flags)
+        assert_one_line_error(result, "checkpoint_00000002.pt was trained with", given,
+                              "a resumed run keeps its model")
+    result = train("--max-updates", 3, "--resume", "--d-model", 64, "--seed", 9)  # tiny's width
+    assert result.returncode == 0, result.stderr
+    notes = [line for line in result.stdout.splitlines() if line.startswith("--resume:")]
+    assert notes == ["--resume: --seed 9 instead of the checkpoint's --seed 1; the run goes on "
+                     "with it, so it is no longer the uninterrupted run's"]
 
 
 def test_corrupt_checkpoint_on_resume_is_one_clear_line(tmp_path):
