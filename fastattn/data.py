@@ -48,8 +48,9 @@ class ParallelText:
         return len(self.src)
 
 
-def read_lines(path: str | Path) -> list[str]:
-    """The stripped lines of a plain or gzip text file; every line must be non-empty UTF-8."""
+def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
+    """The stripped lines of a plain or gzip text file; every line must be UTF-8, and non-empty
+    unless allow_empty (translations may be empty)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file")
@@ -70,10 +71,10 @@ def read_lines(path: str | Path) -> list[str]:
             raise DataError(
                 f"{path}:{number}: invalid UTF-8 at byte {e.start} of the line"
             ) from None
-        if not decoded:
+        if not decoded and not allow_empty:
             raise DataError(f"{path}:{number}: empty line")
         text.append(decoded)
-    if not text:
+    if not text and not allow_empty:
         raise DataError(f"{path}: empty file")
     return text
 

@@ -104,15 +104,6 @@ def wmt_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: str) ->
     )
 
 
-def read_hypotheses(path: str) -> list[str]:
-    """Lines of a translation file; unlike data.read_lines, empty translations are allowed."""
-    try:
-        lines = open(path, encoding="utf-8").read().split("\n")
-    except (OSError, UnicodeDecodeError) as e:
-        raise data.DataError(f"{path}: cannot read ({e})") from None
-    return [line.strip() for line in (lines[:-1] if lines[-1] == "" else lines)]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m fastattn.evaluate",
@@ -132,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tokenized_ref and args.multi30k:
         parser.error("--tokenized-ref goes with --ref; --multi30k brings its own")
     try:
-        hypotheses = read_hypotheses(args.hyp)
+        hypotheses = data.read_lines(args.hyp, allow_empty=True)
         if args.multi30k:
             references = data.read_lines(data.multi30k_path(args.multi30k, args.lang))
             tokenized_refs = data.read_lines(

@@ -113,11 +113,13 @@ def test_cli_with_plain_references_uses_the_wmt_convention(tmp_path, capsys):
     (["--ref", "REF"], "3 hypotheses but 2 references"),
     (["--ref", "MISSING"], "MISSING: no such file"),
     (["--multi30k", "train"], "tokenized references for val and test2016 only"),
+    (["--ref", "REF", "--hyp", "LATIN1"], "LATIN1:2: invalid UTF-8 at byte 3 of the line"),
 ])
 def test_cli_bad_input_is_a_clear_error(tmp_path, capsys, argv, message):
     (tmp_path / "hyp").write_text("a\nb\nc\n", encoding="utf-8")
+    (tmp_path / "LATIN1").write_bytes(b"a\ncaf\xe9\n")
     (tmp_path / "REF").write_text("a\nb\n", encoding="utf-8")
-    argv = [str(tmp_path / a) if a in ("REF", "MISSING") else a for a in argv]
+    argv = [str(tmp_path / a) if a in ("REF", "MISSING", "LATIN1") else a for a in argv]
     with pytest.raises(SystemExit) as exit_:
         evaluate.main(["--hyp", str(tmp_path / "hyp"), "--lang", "de", *argv])
     assert exit_.value.code == 2
