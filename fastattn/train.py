@@ -248,7 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--members")
     add(g, "--threads", type=int, default=0,
         help="CPU threads per process (0: torch's choice, shared among the processes of --jobs)")
-    add(g, "--device", default="auto", help="auto, cpu or cuda")
+    add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"],
+        help="cuda: the GPU of LOCAL_RANK under torchrun, else the first")
 
     g = parser.add_argument_group("checkpoints")
     add(g, "--save-dir", default="checkpoints/{data}-{src}-{tgt}",

@@ -288,6 +288,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"need --beam >= 1 and 1 <= --nbest <= --beam, got {args.beam}, {args.nbest}")
     if args.batch_tokens < 1 or args.window < 1 or args.max_len_b < 0 or args.max_len_a < 0:
         parser.error("--batch-tokens and --window must be positive, --max-len-a/b not negative")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: torch sees no GPU")
     if args.alpha is not None and not args.alpha >= 0:
         parser.error(f"--alpha must not be negative, got {args.alpha}")
     heads = args.attention_heads

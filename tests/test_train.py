@@ -182,6 +182,7 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--alpha", "0.6,-1"], "length penalty exponents must be >= 0"),
         (["--alpha", "0.6;1"], "not a comma-separated list of numbers"),
         (["--output-vocab", "source"], "invalid choice"),
+        (["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
         (["--adam-betas", "0.9", "1"], "--adam-betas must be in [0, 1)"),
         (["--adam-eps=-1e-9"], "--adam-eps must not be negative"),
         (["--max-len-ratio", "0.5"], "--max-len-ratio must be at least 1"),

@@ -180,6 +180,7 @@ def test_bad_input_is_named(checkpoint, tmp_path, monkeypatch, capsys):
         Translator.from_checkpoint(checkpoint, beam_size=2, nbest=3)
     base = ["--checkpoint", str(checkpoint)]
     for flags, message in [(["--alpha=-1"], "--alpha must not be negative"),
+                           (["--device", "gpu"], "--device 'gpu' is not a device"),
                            (["--attention-heads", "1,x"], "--attention-heads takes 1-based")]:
         with pytest.raises(SystemExit):
             main(base + flags)
