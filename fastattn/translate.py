@@ -30,6 +30,7 @@ import torch
 from fastattn.cli import HelpFormatter
 from fastattn.data import Truecaser
 from fastattn.ensemble import Ensemble
+from fastattn.model import Transformer
 from fastattn.search import LengthPenalty, greedy_search
 
 
@@ -168,6 +169,11 @@ class Translator:
 
     # -- attention, as in the paper's Figures 3-5 ----------------------------------------------
 
+    @property
+    def shown_model(self) -> Transformer:
+        """The model whose attention `attention` shows: an ensemble's first member."""
+        return self.model.members[0] if isinstance(self.model, Ensemble) else self.model
+
     @torch.inference_mode()
     def attention(
         self, sentence: str, layer: int, kind: str = "encoder"
@@ -178,7 +184,7 @@ class Translator:
         Returns (query pieces, key pieces, weights). An ensemble shows its first member's."""
         if kind not in ("encoder", "cross"):
             raise ValueError(f"kind must be 'encoder' or 'cross', got {kind!r}")
-        model = self.model.members[0] if isinstance(self.model, Ensemble) else self.model
+        model = self.shown_model
         stack = model.encoder.layers if kind == "encoder" else model.decoder.layers
         if not 0 <= layer < len(stack):
             raise ValueError(f"layer must be in [0, {len(stack)}), got {layer}")
@@ -223,7 +229,7 @@ class Translator:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        model = self.model.members[0] if isinstance(self.model, Ensemble) else self.model
+        model = self.shown_model
         depth = len(model.encoder.layers if kind == "encoder" else model.decoder.layers)
         layer = max(depth - 2, 0) if layer is None else layer
         queries, keys, weights = self.attention(sentence, layer, kind)
@@ -341,8 +347,7 @@ def _translate(translator: Translator, lines: Iterator[str], args: argparse.Name
         heads = args.attention_heads
         heads = None if heads is None else [int(h) - 1 for h in heads.split(",")]
         layer = None if args.attention_layer is None else args.attention_layer - 1
-        model = translator.model
-        model = model.members[0] if isinstance(model, Ensemble) else model
+        model = translator.shown_model
         stack = model.encoder.layers if args.attention == "encoder" else model.decoder.layers
         if layer is not None and not 0 <= layer < len(stack):
             raise SystemExit(f"error: --attention-layer {args.attention_layer}: the model has "
