@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -362,6 +363,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     d_model, heads = args.d_model or preset.d_model, args.heads or preset.heads
     if (preset.d_k is None or preset.d_v is None) and d_model % heads:  # heads are d_model / h
         parser.error(f"--d-model {d_model} must be divisible by --heads {heads}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after hours of training
+        parser.error("--plot needs matplotlib (pip install matplotlib)")
     if args.keep < args.average_last:
         parser.error(f"--keep {args.keep} must be at least --average-last {args.average_last}")
 
@@ -1037,15 +1040,11 @@ class Run:
 def plot_metrics(metrics: Sequence[str | Path], png: str | Path) -> None:
     """Training loss, learning rate and dev BLEU against updates, from the metrics logs of a run
     or of the members of an ensemble."""
-    try:
-        import matplotlib
+    import matplotlib  # parse_args made sure it is there
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib); no plot written",
-              file=sys.stderr)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for k, log in enumerate(metrics):
         records = [json.loads(line) for line in Path(log).read_text().splitlines()]
@@ -1064,6 +1063,7 @@ def plot_metrics(metrics: Sequence[str | Path], png: str | Path) -> None:
     axes[0].legend()
     axes[2].legend()
     fig.tight_layout()
+    Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=100)
     plt.close(fig)
 

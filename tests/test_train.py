@@ -1,6 +1,7 @@
 """fastattn.train: the schedule, one update (accumulation, NaN guard), flags, bad input, and an
 exact resume after SIGKILL."""
 
+import importlib.util
 import json
 import math
 import os
@@ -197,6 +198,15 @@ def test_bad_flags(argv, message, capsys):
         parse_args(argv)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_refused_before_training(monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: (
+        None if name == "matplotlib" else find_spec(name, *rest)))
+    with pytest.raises(SystemExit):
+        parse_args(["--plot", "curves.png"])
+    assert "--plot needs matplotlib (pip install matplotlib)" in capsys.readouterr().err
 
 
 def test_help_shows_defaults_and_paper_values(capsys):
@@ -496,7 +506,7 @@ def test_members_train_side_by_side_or_in_turn_and_the_final_model_is_their_ense
     paths = corpus(tmp_path, lines=60)
     run_dir = tmp_path / "run"
     flags = ["--members", 3, "--seed", 5, "--max-updates", 4, "--save-every", 2]
-    command = train_command(paths, run_dir, *flags, "--plot", tmp_path / "curves.png")
+    command = train_command(paths, run_dir, *flags, "--plot", tmp_path / "plots" / "curves.png")
     first = subprocess.run([*command, "--jobs", "2"], capture_output=True, text=True, timeout=600,
                            env=TORCH_OPS)
     assert first.returncode == 0, first.stderr
@@ -529,7 +539,8 @@ def test_members_train_side_by_side_or_in_turn_and_the_final_model_is_their_ense
     lines = first.stdout.splitlines()
     ensemble_score = lines[lines.index(reports[-1]) - 1]
     assert f"valid tokenized BLEU {score['valid_tok_bleu']:.2f}" in ensemble_score
-    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # both members
+    png = (tmp_path / "plots" / "curves.png").read_bytes()  # its directory made; both members
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
     # One after another, in one process, the members and their ensemble are the same, bit for bit.
     in_turn_dir = tmp_path / "in-turn"
