@@ -293,6 +293,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
+    save_dir = Path(args.save_dir)
+    existing = next(p for p in (save_dir, *save_dir.parents) if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK):
+        parser.error(f"--save-dir {args.save_dir}: {existing} is not a writable directory")
     args.metrics = args.metrics or str(Path(args.save_dir) / "metrics.jsonl")
     return args
 

@@ -209,6 +209,13 @@ def test_plot_without_matplotlib_is_refused_before_training(monkeypatch, capsys)
     assert "--plot needs matplotlib (pip install matplotlib)" in capsys.readouterr().err
 
 
+def test_save_dir_must_be_a_writable_directory(tmp_path, capsys):
+    (tmp_path / "file").touch()
+    with pytest.raises(SystemExit):
+        parse_args(["--save-dir", str(tmp_path / "file" / "run")])
+    assert f"{tmp_path / 'file'} is not a writable directory" in capsys.readouterr().err
+
+
 def test_help_shows_defaults_and_paper_values(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--help"])
