@@ -9,8 +9,9 @@ import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-# No floating-point traps are used: without them GCC vectorises loops with conversions.
-cxx_flags = ["-O3", "-std=c++17", "-fno-trapping-math"]
+# No floating-point traps are used: without them GCC vectorises loops with conversions. -g0
+# drops the debug information Python's CFLAGS ask for: a fifth of the compile time, 22 of 24 MB.
+cxx_flags = ["-O3", "-std=c++17", "-fno-trapping-math", "-g0"]
 # at::parallel_for is inline OpenMP in ATen's headers: without -fopenmp every loop of the extension
 # runs on one thread. Linking libgomp.so.1 reuses the one torch has loaded (same soname).
 link_flags = []
