@@ -10,7 +10,8 @@ from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 # No floating-point traps are used: without them GCC vectorises loops with conversions. -g0
-# drops the debug information Python's CFLAGS ask for: a fifth of the compile time, 22 of 24 MB.
+# drops the debug information Python's CFLAGS ask for (-g): it halved the build on 2 cores (147
+# and 192 s against 354 and 362 s) and the library is 2 MB instead of 25.
 cxx_flags = ["-O3", "-std=c++17", "-fno-trapping-math", "-g0"]
 # at::parallel_for is inline OpenMP in ATen's headers: without -fopenmp every loop of the extension
 # runs on one thread. Linking libgomp.so.1 reuses the one torch has loaded (same soname).
