@@ -1,0 +1,118 @@
+"""A tiny two-member training run gives the losses, gradient norms, final weights and test BLEU
+recorded in tests/data/recorded_run.json, bit for bit: restructuring the trainer, the ops or the
+model must not change a number. The record was made before the redesign of issue 48.
+
+Reproducible across the x86-64 CPUs this project runs on (all with AVX-512): one thread, MKL's
+conditional numerical reproducibility pinned to its AVX2 code path (MKL_CBWR), and the PyTorch
+ops (FASTATTN_BACKEND=torch) with fastattn._C's CPU kernels.
+
+Re-record only when a change is meant to alter the numbers, and say why in its commit:
+    python tests/test_recorded_run.py --record
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastattn import checkpoint, data
+
+RECORD = Path(__file__).parent / "data" / "recorded_run.json"
+UPDATES = 30
+ENV = {**os.environ, "FASTATTN_BACKEND": "torch", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1",
+       "MKL_NUM_THREADS": "1"}
+
+
+def write_corpus(directory: Path) -> dict[str, Path]:
+    """The first Multi30k lines as plain files: 120 training pairs, 8 dev and 8 test pairs."""
+    train = data.load_multi30k("train", "en", "de")
+    paths = {}
+    for name, rows in [("train", slice(0, 120)), ("valid", slice(120, 128)),
+                       ("test", slice(128, 136))]:
+        for side, text in [("en", train.src[rows]), ("de", train.tgt[rows])]:
+            paths[f"{name}.{side}"] = directory / f"{name}.{side}"
+            paths[f"{name}.{side}"].write_text("\n".join(text) + "\n", encoding="utf-8")
+    return paths
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().contiguous().cpu()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def run(directory: Path) -> dict:
+    """Trains two tiny members in turn for UPDATES updates each (dropout, R-Drop, word and
+    BPE-dropout on: every random stream is exercised), and returns what the record holds."""
+    paths = write_corpus(directory)
+    save_dir = directory / "run"
+    command = [
+        sys.executable, "-m", "fastattn.train", "--data", "files",
+        "--train", paths["train.en"], paths["train.de"],
+        "--valid", paths["valid.en"], paths["valid.de"],
+        "--test", paths["test.en"], paths["test.de"],
+        "--preset", "tiny", "--vocab-size", "200", "--max-tokens", "300",
+        "--precision", "fp32", "--threads", "1", "--members", "2", "--jobs", "1",
+        "--max-updates", UPDATES, "--save-every", 10, "--eval-every", 15, "--log-every", 1,
+        "--average-last", 2, "--keep", 3, "--beam", 2, "--max-len-b", 3, "--alpha", "0.6,1.0",
+        "--rdrop", "0.5", "--word-dropout", "0.1", "--bpe-dropout", "0.1",
+        "--no-progress", "--save-dir", save_dir,
+    ]
+    result = subprocess.run([str(c) for c in command], capture_output=True, text=True,
+                            timeout=900, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    members = {}
+    for k in (1, 2):
+        records = [json.loads(line) for line in
+                   (save_dir / f"member{k}" / "metrics.jsonl").read_text().splitlines()]
+        members[f"member{k}"] = {
+            "updates": {str(r["step"]): [r["loss"], r["grad_norm"]]
+                        for r in records if "loss" in r},
+            "dev": {str(r["step"]): [r["dev_loss"], r["dev_bleu"]] for r in records
+                    if "dev_loss" in r},
+            "final_weights": weights_digest(checkpoint.load_checkpoint(
+                save_dir / f"member{k}" / f"checkpoint_{UPDATES:08d}.pt")["model"]),
+        }
+    final = [json.loads(line) for line in (save_dir / "metrics.jsonl").read_text().splitlines()]
+    scored = [r for r in final if "test_bleu" in r]
+    hypotheses = (save_dir / "test.hyp.de").read_text(encoding="utf-8")
+    return {"members": members,
+            "ensemble": {"test_bleu": scored[-1]["test_bleu"], "alpha": scored[-1]["alpha"],
+                         "hypotheses_sha256": hashlib.sha256(hypotheses.encode()).hexdigest()}}
+
+
+@pytest.mark.slow
+def test_a_recorded_tiny_run_gives_the_same_numbers_bit_for_bit(tmp_path):
+    recorded = json.loads(RECORD.read_text())
+    measured = run(tmp_path)
+    for name, member in recorded["members"].items():
+        got = measured["members"][name]
+        assert got["updates"].keys() == member["updates"].keys(), name
+        for step, values in member["updates"].items():
+            assert got["updates"][step] == values, f"{name} update {step}: loss, grad norm"
+        assert got["dev"] == member["dev"], f"{name}: dev losses"
+        assert got["final_weights"] == member["final_weights"], f"{name}: final weights"
+    assert measured["ensemble"] == recorded["ensemble"]
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--record"]:
+        sys.exit("usage: python tests/test_recorded_run.py --record")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        record = run(Path(directory))
+    RECORD.parent.mkdir(exist_ok=True)
+    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"recorded {RECORD}")
