@@ -1,6 +1,8 @@
 """A tiny two-member training run gives the losses, gradient norms, final weights and test BLEU
 recorded in tests/data/recorded_run.json, bit for bit: restructuring the trainer, the ops or the
-model must not change a number. The record was made before the redesign of issue 48.
+model must not change a number. And a checkpoint written before the redesign of issue 48
+(tests/data/checkpoint_pre48.pt, update 10 of a one-member run) still resumes to the recorded
+updates 11 to 20. Both records were made before that redesign.
 
 Reproducible across the x86-64 CPUs this project runs on (all with AVX-512): one thread, MKL's
 conditional numerical reproducibility pinned to its AVX2 code path (MKL_CBWR), and the PyTorch
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +28,7 @@ import torch
 from fastattn import checkpoint, data
 
 RECORD = Path(__file__).parent / "data" / "recorded_run.json"
+OLD_CHECKPOINT = Path(__file__).parent / "data" / "checkpoint_pre48_00000010.pt"
 UPDATES = 30
 ENV = {**os.environ, "FASTATTN_BACKEND": "torch", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1",
        "MKL_NUM_THREADS": "1"}
@@ -52,9 +56,9 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def run(directory: Path) -> dict:
-    """Trains two tiny members in turn for UPDATES updates each (dropout, R-Drop, word and
-    BPE-dropout on: every random stream is exercised), and returns what the record holds."""
+def train(directory: Path, *flags) -> Path:
+    """Runs the trainer on write_corpus's text with the flags of every recorded run (dropout,
+    R-Drop, word and BPE-dropout on: every random stream is exercised) and `flags`."""
     paths = write_corpus(directory)
     save_dir = directory / "run"
     command = [
@@ -63,22 +67,45 @@ def run(directory: Path) -> dict:
         "--valid", paths["valid.en"], paths["valid.de"],
         "--test", paths["test.en"], paths["test.de"],
         "--preset", "tiny", "--vocab-size", "200", "--max-tokens", "300",
-        "--precision", "fp32", "--threads", "1", "--members", "2", "--jobs", "1",
-        "--max-updates", UPDATES, "--save-every", 10, "--eval-every", 15, "--log-every", 1,
-        "--average-last", 2, "--keep", 3, "--beam", 2, "--max-len-b", 3, "--alpha", "0.6,1.0",
+        "--precision", "fp32", "--threads", "1", "--log-every", 1,
+        "--average-last", 2, "--keep", 3, "--beam", 2, "--max-len-b", 3,
         "--rdrop", "0.5", "--word-dropout", "0.1", "--bpe-dropout", "0.1",
-        "--no-progress", "--save-dir", save_dir,
+        "--no-progress", "--save-dir", save_dir, *flags,
     ]
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True,
                             timeout=900, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
+    return save_dir
+
+
+def updates(metrics: Path) -> dict[str, list[float]]:
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return {str(r["step"]): [r["loss"], r["grad_norm"]] for r in records if "loss" in r}
+
+
+def resumed(directory: Path, old_checkpoint: Path) -> dict:
+    """Resumes a one-member run from old_checkpoint (update 10) to update 20."""
+    save_dir = directory / "run"
+    save_dir.mkdir(parents=True)
+    shutil.copy(old_checkpoint, save_dir / old_checkpoint.name.replace("_pre48", ""))
+    train(directory, "--members", 1, "--max-updates", 20, "--save-every", 10, "--eval-every", 0,
+          "--resume")
+    return {"updates": updates(save_dir / "metrics.jsonl"),
+            "final_weights": weights_digest(checkpoint.load_checkpoint(
+                save_dir / "checkpoint_00000020.pt")["model"])}
+
+
+def run(directory: Path) -> dict:
+    """Trains two tiny members in turn for UPDATES updates each and returns what the record
+    holds."""
+    save_dir = train(directory, "--members", 2, "--jobs", 1, "--max-updates", UPDATES,
+                     "--save-every", 10, "--eval-every", 15, "--alpha", "0.6,1.0")
     members = {}
     for k in (1, 2):
         records = [json.loads(line) for line in
                    (save_dir / f"member{k}" / "metrics.jsonl").read_text().splitlines()]
         members[f"member{k}"] = {
-            "updates": {str(r["step"]): [r["loss"], r["grad_norm"]]
-                        for r in records if "loss" in r},
+            "updates": updates(save_dir / f"member{k}" / "metrics.jsonl"),
             "dev": {str(r["step"]): [r["dev_loss"], r["dev_bleu"]] for r in records
                     if "dev_loss" in r},
             "final_weights": weights_digest(checkpoint.load_checkpoint(
@@ -106,6 +133,13 @@ def test_a_recorded_tiny_run_gives_the_same_numbers_bit_for_bit(tmp_path):
     assert measured["ensemble"] == recorded["ensemble"]
 
 
+@pytest.mark.slow
+def test_a_checkpoint_from_before_the_redesign_resumes_to_the_recorded_updates(tmp_path):
+    recorded = json.loads(RECORD.read_text())["resumed"]
+    measured = resumed(tmp_path, OLD_CHECKPOINT)
+    assert measured == recorded
+
+
 if __name__ == "__main__":
     if sys.argv[1:] != ["--record"]:
         sys.exit("usage: python tests/test_recorded_run.py --record")
@@ -113,6 +147,12 @@ if __name__ == "__main__":
 
     with tempfile.TemporaryDirectory() as directory:
         record = run(Path(directory))
+    with tempfile.TemporaryDirectory() as directory:
+        save_dir = train(Path(directory), "--members", 1, "--max-updates", 10, "--save-every",
+                         10, "--eval-every", 0)
+        shutil.copy(save_dir / "checkpoint_00000010.pt", OLD_CHECKPOINT)
+    with tempfile.TemporaryDirectory() as directory:
+        record["resumed"] = resumed(Path(directory), OLD_CHECKPOINT)
     RECORD.parent.mkdir(exist_ok=True)
     RECORD.write_text(json.dumps(record, indent=1) + "\n")
     print(f"recorded {RECORD}")
