@@ -1,6 +1,6 @@
 """fastattn: fused Triton kernels for the Transformer and a faithful model to train and serve it."""
 
-from fastattn import ops
+from fastattn import _extras, ops
 from fastattn._native import native
 from fastattn.backend import get_backend, set_backend
 from fastattn.model import PRESETS, Transformer, TransformerConfig
@@ -11,6 +11,9 @@ from fastattn.modules import (
     replace_multihead_attention,
 )
 from fastattn.search import Hypothesis, beam_search, greedy_search
+
+# `python -m fastattn.translate` (or another command) without the [mt] extra: one line, exit 1.
+_extras.exit_if_command_lacks_extra()
 
 __version__ = "0.1.0"
 __all__ = [

@@ -20,8 +20,14 @@ from itertools import chain
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 import torch
+
+from fastattn._extras import MissingExtraError
+
+try:
+    import sentencepiece as spm
+except ImportError as e:
+    raise MissingExtraError(__name__, e) from None
 
 CORPORA = Path(__file__).parent / "corpora"
 MULTI30K_SPLITS = {"train": "train", "val": "val", "test2016": "test_2016_flickr"}

@@ -24,11 +24,15 @@ import sys
 from collections.abc import Sequence
 from functools import cache
 
-import sacrebleu
-from sacremoses import MosesPunctNormalizer, MosesTokenizer
-
 from fastattn import data
+from fastattn._extras import MissingExtraError
 from fastattn.cli import HelpFormatter
+
+try:
+    import sacrebleu
+    from sacremoses import MosesPunctNormalizer, MosesTokenizer
+except ImportError as e:
+    raise MissingExtraError(__name__, e) from None
 
 
 @cache

@@ -1,0 +1,107 @@
+"""Install without the [mt] extra: torch, triton and numpy give the ops, the modules and the model;
+a command line that needs the extra says in one line what to install and exits non-zero, and a
+library import of a module that needs it raises ImportError with the same line.
+
+The interpreters here run with the extra's packages blocked (a sitecustomize on PYTHONPATH installs
+a sys.meta_path finder in place of Python's
+PathFinder that does not find them), which is what a `pip install .` without [mt] sees."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fastattn._extras import MT_PACKAGES, MissingExtraError, _command, missing_message
+
+# Stands in for the PathFinder on sys.meta_path, which finds what is installed, and finds nothing
+# of the blocked packages: to importlib (find_spec, import) they are not installed.
+BLOCKER = f"""
+import sys
+from importlib.machinery import PathFinder
+
+BLOCKED = {sorted(MT_PACKAGES.values())!r}
+
+
+class NotInstalled(PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            return None
+        return super().find_spec(name, path, target)
+
+
+sys.meta_path[:] = [NotInstalled if f is PathFinder else f for f in sys.meta_path]
+"""
+
+
+@pytest.fixture(scope="module")
+def without_mt(tmp_path_factory):
+    """Runs python with `args` in an interpreter that cannot import the [mt] packages."""
+    site = tmp_path_factory.mktemp("without_mt")
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=site)
+
+    return run
+
+
+def test_ops_modules_and_model_import_without_mt(without_mt):
+    code = f"""
+import sys, torch, fastattn, fastattn.ops
+from fastattn import MultiHeadAttention, Transformer, TransformerConfig
+Transformer(TransformerConfig(vocab_size=11, encoder_layers=1, decoder_layers=1, d_model=16,
+                              d_ff=32, heads=2))
+x = torch.randn(3, 2, 16)
+assert MultiHeadAttention(16, 2)(x, x, x, need_weights=False)[0].shape == x.shape
+print(sorted(set({sorted(MT_PACKAGES.values())!r}) & set(sys.modules)))
+try:
+    import sentencepiece
+except ImportError:
+    print("blocked")
+"""
+    result = without_mt("-c", code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["[]", "blocked"], result.stdout
+
+
+def test_library_import_names_the_extra(without_mt):
+    result = without_mt("-c", "import fastattn.data")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1] == (
+        "fastattn._extras.MissingExtraError: " + missing_message("fastattn.data",
+                                                                 ["sentencepiece"]))
+    assert "pip install 'fastattn[mt]'" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+def test_command_says_what_to_install_in_one_line(without_mt, command):
+    result = without_mt("-m", f"fastattn.{command}", "--help")
+    assert result.returncode == 1
+    missing = ", ".join(MT_PACKAGES)
+    assert result.stderr == (f"error: fastattn.{command} needs the [mt] extra (missing: "
+                             f"{missing}): pip install 'fastattn[mt]'\n")
+    assert result.stdout == ""
+
+
+def test_missing_extra_error_is_an_import_error_with_one_line():
+    error = MissingExtraError("fastattn.data", ModuleNotFoundError("x", name="sentencepiece"))
+    assert isinstance(error, ImportError) and error.name == "sentencepiece"
+    assert str(error) == ("fastattn.data needs the [mt] extra (missing: sentencepiece): "
+                          "pip install 'fastattn[mt]'")
+
+
+@pytest.mark.parametrize(("argv", "module"), [
+    (["python", "-m", "fastattn.translate", "-m", "x"], "fastattn.translate"),
+    (["python", "-u", "-X", "dev", "-mfastattn.train"], "fastattn.train"),
+    (["python", "-W", "ignore", "-m", "fastattn.train.__main__"], "fastattn.train.__main__"),
+    (["python", "-c", "import fastattn", "-m", "fastattn.train"], None),
+    (["python", "script.py", "-m", "fastattn.train"], None),
+    (["python"], None),
+])
+def test_command_is_read_from_the_interpreter_arguments(argv, module):
+    assert _command(argv) == module
