@@ -146,7 +146,7 @@ def test_auto_precision_on_cpu_follows_the_measured_speed(monkeypatch, has_bf16,
         return speedup
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: has_bf16)
-    monkeypatch.setattr(train_module, "bf16_matmul_speedup", measured)
+    monkeypatch.setattr(train_module.precision, "bf16_matmul_speedup", measured)
     dtype, scaled, why = pick_precision("auto", torch.device("cpu"))
     assert dtype == expected and not scaled
     assert why.startswith("auto")
@@ -474,8 +474,8 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
 
 def test_choose_alpha_keeps_the_best_dev_bleu_and_the_first_of_ties(monkeypatch):
     dev_bleu = {0.6: 30.0, 1.0: 31.5, 1.5: 32.0, 2.0: 32.0}
-    monkeypatch.setattr(train_module, "translate", lambda *_, alpha, **__: [str(alpha)])
-    monkeypatch.setattr(train_module, "bleu_scores",
+    monkeypatch.setattr(train_module.final, "translate", lambda *_, alpha, **__: [str(alpha)])
+    monkeypatch.setattr(train_module.final, "bleu_scores",
                         lambda hyps, *_: {"tok_bleu": dev_bleu[float(hyps[0])]})
     records = []
     run = SimpleNamespace(
@@ -483,10 +483,10 @@ def test_choose_alpha_keeps_the_best_dev_bleu_and_the_first_of_ties(monkeypatch)
             text=SimpleNamespace(src=["a"]))}, step=7,
         write_metrics=lambda record, path: records.append(record), log=lambda message: None,
         source_truecaser=None)
-    assert train_module.Run.choose_alpha(run, model=None, sp=None, metrics=None) == 1.5
+    assert train_module.choose_alpha(run, model=None, sp=None, metrics=None) == 1.5
     assert records[0]["alpha"] == 1.5 and records[0]["alpha_dev_tok_bleu"] == dev_bleu
     run.args = parse_args(["--alpha", "2"])  # one value: no decoding
-    assert train_module.Run.choose_alpha(run, model=None, sp=None, metrics=None) == 2.0
+    assert train_module.choose_alpha(run, model=None, sp=None, metrics=None) == 2.0
     assert len(records) == 1
 
 
@@ -641,7 +641,7 @@ def test_member_processes_end_when_the_run_is_killed(tmp_path):
 
 def test_members_share_one_precision_measurement(monkeypatch):
     calls = []
-    monkeypatch.setattr(train_module, "pick_precision",
+    monkeypatch.setattr(train_module.members, "pick_precision",
                         lambda name, device: calls.append(name) or (torch.bfloat16, False, "why"))
     args = parse_args(["--members", "3", "--device", "cpu"])
     members = [train_module.member_args(args, k) for k in range(3)]

@@ -1,0 +1,3 @@
+from fastattn.train.command import main
+
+main()

@@ -1,0 +1,448 @@
+"""A training run (Run): its data, model, optimiser, position, logging and checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from fastattn import checkpoint, data
+from fastattn._extras import MissingExtraError
+from fastattn.model import Transformer, TransformerConfig
+from fastattn.train.corpus import Split, load_text, truecased
+from fastattn.train.evaluation import bleu_scores, dev_loss, translate
+from fastattn.train.flags import _resumed_flags, model_config
+from fastattn.train.precision import pick_precision
+from fastattn.train.step import LossModule, learning_rate, train_step
+
+try:
+    from tqdm import tqdm
+except ImportError as e:
+    raise MissingExtraError(__name__, e) from None
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def new_window() -> dict[str, float]:
+    """Sums over the updates since the last log record."""
+    return {"loss": 0.0, "nll": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
+
+
+class Run:
+    """A training run: its data, model, optimiser, position, logging and checkpoints. `name`
+    prefixes its log lines and `bar_row` places its progress bar, for runs side by side."""
+
+    def __init__(self, args: argparse.Namespace, name: str = "", bar_row: int = 0) -> None:
+        self.args = args
+        self.name, self.bar_row = name, bar_row
+        self.bar = None
+        self.distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("error: --device cuda but torch sees no GPU")
+        if self.distributed and not dist.is_initialized():  # ensemble members share the group
+            if args.device == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.main = self.rank == 0
+        self.device = torch.device(args.device, torch.cuda.current_device()) \
+            if args.device == "cuda" else torch.device("cpu")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        # oneDNN, which runs bf16 matmuls on CPUs, keeps 1,024 compiled kernels by default; token
+        # buckets give every batch its own shapes, and Multi30k's 64 batches need more, so steps
+        # recompiled kernels all run long (measured: a fifth slower, and a growing heap). Read
+        # when oneDNN first runs, below; a user's own setting wins.
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
+        self.autocast, use_scaler, why = pick_precision(args.precision, self.device)
+        why = getattr(args, "precision_why", why)  # set by share_precision
+        if self.distributed and self.device.type == "cpu":  # each rank measured: rank 0 decides
+            use_bf16 = torch.tensor([self.autocast is not None])
+            dist.broadcast(use_bf16, 0)
+            self.autocast = torch.bfloat16 if use_bf16.item() else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
+        precision = {None: "fp32", torch.bfloat16: "bf16 autocast",
+                     torch.float16: "fp16 autocast with dynamic loss scaling"}[self.autocast]
+        self.log(f"device {self.device}, {torch.get_num_threads()} threads per process, "
+                 f"{precision} ({why})")
+
+        resume = checkpoint.list_checkpoints(args.save_dir)[-1:] if args.resume else []
+        if args.resume and not resume:
+            self.log(f"--resume: no checkpoint in {args.save_dir} yet, starting afresh")
+        state = checkpoint.load_checkpoint(resume[0]) if resume else None
+
+        if state is not None:
+            for note in _resumed_flags(args, state, resume[0]):
+                self.log(note)
+        text = load_text(args)
+        # A resumed run keeps the text processing its vocabulary was built for.
+        if state is not None:
+            args.truecase = state["meta"]["args"].get("truecase", False)
+        truecasers = None
+        if args.truecase:
+            raw = text["train"][0]
+            truecasers = data.Truecaser.train(raw.src), data.Truecaser.train(raw.tgt)
+        self.source_truecaser = truecasers[0] if truecasers else None  # for translating
+        model_text = {name: truecased(t, truecasers) for name, (t, _) in text.items()}
+        output_vocab_size = None
+        if state is not None:
+            self.spm_proto = state["spm"]
+        else:
+            started = time.time()
+            train = model_text["train"]
+            self.spm_proto = data.train_sentencepiece(train.src + train.tgt, args.vocab_size)
+            self.log(f"SentencePiece BPE, {args.vocab_size} joint pieces, trained on "
+                     f"{2 * len(train)} {'truecased ' * args.truecase}sentences in "
+                     f"{time.time() - started:.1f}s")
+            if args.output_vocab == "target":
+                sp = data.load_sentencepiece(self.spm_proto)
+                targets = train.tgt + train.src * bool(args.bidirectional)
+                pieces = {i for ids in data.encode(sp, targets) for i in ids}
+                self.spm_proto, output_vocab_size = data.pieces_first(self.spm_proto, pieces)
+                self.log(f"output vocabulary: the {output_vocab_size} pieces (special ones "
+                         f"included) of the training text's {args.tgt} side"
+                         f"{' and of its source side' * bool(args.bidirectional)}, numbered "
+                         "first")
+        self.sp = data.load_sentencepiece(self.spm_proto)
+        # Splits keep the raw text (BLEU is against it) beside the ids of the model's text.
+        self.splits = {
+            name: Split(t, data.encode(self.sp, model_text[name].src),
+                        data.encode(self.sp, model_text[name].tgt), refs)
+            for name, (t, refs) in text.items()
+        }
+
+        train = self.splits["train"]
+        keep, counts = data.filter_by_length(train.src_ids, train.tgt_ids, args.max_len,
+                                             args.max_len_ratio)
+        self.log(f"training pairs: {counts['kept']} kept, {counts['too_long']} dropped as "
+                 f"longer than {args.max_len} tokens, {counts['bad_ratio']} dropped for a length "
+                 f"ratio over {args.max_len_ratio}")
+        if not keep:
+            raise data.DataError(f"no training pair is left after length filtering; raise "
+                                 f"--max-len ({args.max_len}) or --max-len-ratio "
+                                 f"({args.max_len_ratio})")
+        # Training pair j is (sentences[j], sentences[partner(j)]): j < n the pairs as given,
+        # n <= j < 2n the same pairs reversed (used by --bidirectional).
+        self.pairs = n = len(keep)
+        self.sentences = [train.src_ids[i] for i in keep] + [train.tgt_ids[i] for i in keep]
+        lengths = [len(s) for s in self.sentences]
+        self.bpe_dropout = None
+        if args.bpe_dropout > 0:
+            started = time.time()
+            self.bpe_dropout = data.BPEDropout(self.sp, self.sentences, args.bpe_dropout,
+                                               seed=args.seed)
+            # Batches are planned on the expected sampled lengths, so they hold about
+            # --max-tokens tokens whatever segmentation each sentence then gets.
+            expected = [math.ceil(m) for m in self.bpe_dropout.expected_lengths]
+            growth = sum(expected) / sum(lengths)
+            lengths = expected
+            self.log(f"BPE-dropout {args.bpe_dropout}: {self.bpe_dropout.samples} segmentations "
+                     f"of each of {len(self.bpe_dropout.segmentations)} words drawn in "
+                     f"{time.time() - started:.1f}s, {growth:.2f}x the tokens on average")
+
+        longest = max(lengths[j] + lengths[self.partner(j)] for j in range(n)) + 2  # with </s>
+        if args.max_tokens < longest:
+            raise data.DataError(f"--max-tokens {args.max_tokens} is less than the longest "
+                                 f"training pair, {longest} tokens (source + target, end marks "
+                                 f"included); raise --max-tokens or lower --max-len "
+                                 f"({args.max_len})")
+
+        def batches(pairs: int) -> data.TokenBatches:  # of the first `pairs` pairs
+            return data.TokenBatches(
+                [lengths[j] + 1 for j in range(pairs)],
+                [lengths[self.partner(j)] + 1 for j in range(pairs)],
+                args.max_tokens, seed=args.seed, rank=self.rank, world_size=self.world,
+            )
+
+        self.forward_batches = batches(n)
+        self.log(f"{len(self.forward_batches)} batches per epoch per rank, padding "
+                 f"{100 * self.forward_batches.padding_fraction():.1f}% of the batch tokens")
+        self.both_batches = None
+        if args.bidirectional:
+            self.both_batches = batches(2 * n)
+            self.log(f"bidirectional training (BiT) for the first {args.bidirectional} updates: "
+                     f"{2 * n} pairs in both directions, {len(self.both_batches)} batches per "
+                     "epoch per rank")
+
+        torch.manual_seed(args.seed)
+        if state is not None:  # a resumed run keeps its model, whatever the flags say now
+            config = TransformerConfig(**state["config"])
+        else:
+            config = model_config(args, self.sp.get_piece_size(), output_vocab_size)
+        self.config = config
+        self.model = Transformer(config).to(self.device)
+        self.log(f"model: {self.model.num_parameters():,} parameters, {config}")
+        if config.output_size < config.vocab_size:
+            dev = self.splits["valid"].tgt_ids
+            outside = sum(i >= config.output_size for ids in dev for i in ids)
+            self.log(f"dev: {outside} of {sum(map(len, dev))} target pieces are outside the "
+                     "output vocabulary (the dev loss counts them as <unk>)")
+        # fused: one kernel over all parameters, not a loop of small ops per tensor
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0,
+                                          betas=tuple(args.adam_betas), eps=args.adam_eps,
+                                          fused=True)
+        self.step, self.epoch, self.epoch_step, self.bad_steps = 0, 0, 0, 0
+        if state is not None:
+            self.restore(state)
+            self.forget_metrics_after(self.step)
+            self.log(f"resumed from {resume[0]} at update {self.step} "
+                     f"(epoch {self.epoch}, batch {self.epoch_step})")
+        else:
+            torch.manual_seed(args.seed + self.rank)  # dropout differs between ranks
+        loss_module = LossModule(self.model, args.rdrop)
+        if self.distributed:
+            devices = [self.device.index] if self.device.type == "cuda" else None
+            self.trainer = DistributedDataParallel(loss_module, device_ids=devices)
+        else:
+            self.trainer = loss_module
+        self.last_save = time.time()
+
+    def log(self, message: str) -> None:
+        if self.name:
+            message = f"{self.name}: {message}"
+        if self.main:
+            if self.bar is not None:
+                self.bar.write(message)  # above the progress bar, not through it
+            else:
+                print(message, flush=True)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The checkpoint of this moment; a collective under DDP (every rank's RNG state)."""
+        rngs = [rng_state()]
+        if self.distributed:
+            rngs = [None] * self.world
+            dist.all_gather_object(rngs, rng_state())
+        return {
+            "model": self.model.state_dict(),
+            "config": asdict(self.config),
+            "spm": self.spm_proto,
+            "meta": {"step": self.step, "src": self.args.src, "tgt": self.args.tgt,
+                     "data": self.args.data, "args": dict(vars(self.args)),
+                     "truecase": self.source_truecaser and self.source_truecaser.forms},
+            "train": {
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+                "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
+                "bad_steps": self.bad_steps, "world_size": self.world, "rng": rngs,
+            },
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        train = state["train"]
+        if train["world_size"] != self.world:
+            raise SystemExit(f"error: the checkpoint was written at world size "
+                             f"{train['world_size']}, this run has {self.world}")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(train["optimizer"])
+        if self.scaler is not None and train["scaler"] is not None:
+            self.scaler.load_state_dict(train["scaler"])
+        self.step, self.epoch = train["step"], train["epoch"]
+        self.epoch_step, self.bad_steps = train["epoch_step"], train["bad_steps"]
+        set_rng_state(train["rng"][self.rank])
+
+    def save(self) -> None:
+        state = self.state()
+        if self.main:
+            path = checkpoint.save_numbered(self.args.save_dir, state, self.step, self.args.keep)
+            self.log(f"saved {path}")
+        self.last_save = time.time()
+
+    def save_due(self) -> bool:
+        args = self.args
+        due = args.save_every > 0 and self.step % args.save_every == 0
+        if args.save_every_minutes > 0:
+            due |= time.time() - self.last_save >= 60 * args.save_every_minutes
+        if self.distributed:  # rank 0's clock decides for everyone
+            flag = torch.tensor([int(due)], device=self.device)
+            dist.broadcast(flag, 0)
+            due = bool(flag.item())
+        return due
+
+    # -- training -------------------------------------------------------------------------------
+
+    def updates(self) -> Iterator[list[tuple[torch.Tensor, ...]]]:
+        """The micro-batches of each update from the current data position; advances it.
+
+        Both directions while the run is in --bidirectional's first updates, else source->target.
+        """
+        args = self.args
+        batches = self.forward_batches if self.step >= args.bidirectional else self.both_batches
+        epoch_batches = len(batches)
+        stream = batches.iterate(self.epoch, self.epoch_step)
+        while True:
+            group = [next(stream) for _ in range(args.update_freq)]
+            self.epoch, self.epoch_step = group[-1][0], group[-1][1] + 1
+            if self.epoch_step == epoch_batches:  # the update ended an epoch
+                self.epoch, self.epoch_step = self.epoch + 1, 0
+            yield [self.collate(epoch, i, b) for epoch, i, b in group]
+
+    def collate(self, epoch: int, step: int, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """The batch at this data position, freshly sampled with BPE-dropout and word dropout."""
+        partners = [self.partner(j) for j in indices]
+        # Seeded by the position, so a resumed run samples what the uninterrupted one did.
+        rng = np.random.default_rng([self.args.seed, epoch, step, self.rank])
+        if self.bpe_dropout is None:
+            src = [self.sentences[j] for j in indices]
+            tgt = [self.sentences[j] for j in partners]
+        else:
+            src = self.bpe_dropout.sample(indices, rng)
+            tgt = self.bpe_dropout.sample(partners, rng)
+        source, inputs, targets = data.collate(src, tgt, range(len(indices)))
+        if self.args.word_dropout > 0:  # the targets stay: the model still predicts every word
+            source = data.drop_words(source, self.args.word_dropout, rng)
+            inputs = data.drop_words(inputs, self.args.word_dropout, rng)
+        return source, inputs, targets
+
+    def partner(self, j: int) -> int:
+        """The sentence that sentence j translates to."""
+        return (j + self.pairs) % (2 * self.pairs)
+
+    def finished(self) -> bool:
+        args = self.args
+        return self.step >= args.max_updates or (
+            args.max_epochs > 0 and self.epoch >= args.max_epochs
+        )
+
+    def train(self, until: int | None = None) -> None:
+        """Trains to the end, or pauses after update `until` with a checkpoint there (an ensemble
+        member whose updates two jobs share)."""
+        args = self.args
+        if self.main and not args.no_progress:
+            self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
+                            dynamic_ncols=True, desc=self.name or None, position=self.bar_row)
+        self.model.train()
+        window = new_window()
+        updates = self.updates()
+        while not self.finished() and (until is None or self.step < until):
+            batches = next(updates)
+            lr = learning_rate(self.step + 1, self.config.d_model, args.warmup, args.lr_scale)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            result = train_step(self.trainer, self.optimizer, batches,
+                                autocast_dtype=self.autocast,
+                                scaler=self.scaler, clip_norm=args.clip_norm)
+            if not result.ok:
+                self.bad_steps += 1
+                self.log(f"update {self.step + 1}: NaN/inf gradients, update skipped "
+                         f"({self.bad_steps} in a row)")
+                if self.bad_steps >= args.max_bad_steps:
+                    raise SystemExit(f"error: {self.bad_steps} updates in a row had NaN/inf "
+                                     "gradients; stopping (lower --lr-scale, enable "
+                                     "--clip-norm or use --precision fp32)")
+                continue
+            self.bad_steps = 0
+            self.step += 1
+            if self.step == args.bidirectional:  # BiT's tuning phase: source->target only
+                self.epoch, self.epoch_step = self.epoch + (self.epoch_step > 0), 0
+                updates = self.updates()
+                self.log(f"update {self.step}: bidirectional phase over, source->target from "
+                         f"here (epoch {self.epoch})")
+            window["loss"] += result.loss * result.tokens
+            window["nll"] += result.nll * result.tokens
+            window["tokens"] += result.tokens
+            window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in batches)
+            if self.step % args.log_every == 0 or self.finished():
+                elapsed = time.time() - window["time"]
+                loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
+                record = {"step": self.step, "epoch": self.epoch, "loss": loss, "nll": nll,
+                          "ppl": math.exp(min(nll, 50)), "lr": lr,
+                          "tok_per_s": window["batch_tokens"] * self.world / elapsed,
+                          "grad_norm": result.grad_norm, "time": time.time()}
+                self.write_metrics(record)
+                if self.bar is not None:
+                    self.bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
+                                         lr=f"{lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
+                                         epoch=self.epoch)
+                window = new_window()
+            if self.bar is not None:
+                self.bar.update(1)
+            if args.eval_every and self.step % args.eval_every == 0:
+                self.validate()
+            if self.save_due():
+                self.save()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if args.save_every == 0 or self.step % args.save_every:
+            self.save()  # the final state, if the last update did not just save it
+
+    def forget_metrics_after(self, step: int) -> None:
+        """Drops the log records a killed run wrote after its last checkpoint: the resumed run
+        writes them again."""
+        path = Path(self.args.metrics)
+        if not self.main or not path.exists():
+            return
+        lines = path.read_text().splitlines(keepends=True)
+        # A kill may have cut the last line short: it has no newline and is dropped too.
+        path.write_text("".join(line for line in lines
+                                if line.endswith("\n") and json.loads(line)["step"] <= step))
+
+    def write_metrics(self, record: dict[str, Any], path: Path | None = None) -> None:
+        """Appends a record to the metrics log (rank 0), or to `path`."""
+        if not self.main:
+            return
+        path = path or Path(self.args.metrics)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def validate(self) -> None:
+        """Dev loss and greedy dev BLEU (rank 0; the others wait)."""
+        if self.main:
+            dev = self.splits["valid"]
+            started = time.time()
+            loss, nll = dev_loss(self.model, dev, self.args.max_tokens, self.autocast)
+            # Greedy search: alpha changes no output.
+            hyps = translate(self.model, self.sp, dev.text.src, beam=1, alpha=0.0,
+                             max_len_b=self.args.max_len_b,
+                             batch_tokens=self.args.eval_batch_tokens,
+                             truecaser=self.source_truecaser)
+            scores = bleu_scores(hyps, dev, self.args.tgt)
+            self.write_metrics({"step": self.step, "epoch": self.epoch, "dev_loss": loss,
+                                "dev_ppl": math.exp(min(nll, 50)),
+                                "dev_bleu": scores["bleu"], "dev_tok_bleu": scores["tok_bleu"],
+                                "time": time.time()})
+            self.log(f"update {self.step}: dev loss {loss:.3f}, ppl {math.exp(min(nll, 50)):.2f}, "
+                     f"greedy dev BLEU "
+                     f"{scores['bleu']:.2f} (tokenized {scores['tok_bleu']:.2f}) "
+                     f"[{time.time() - started:.0f}s]")
+        if self.distributed:
+            dist.barrier()
+
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Bad data and bad checkpoints end the process with one `error: ...` line and status 2."""
+    try:
+        yield
+    except (data.DataError, checkpoint.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
