@@ -288,7 +288,7 @@ def pairs_of_an_epoch(stream, updates):
 def test_bidirectional_training_sees_both_directions_then_source_to_target(tmp_path):
     paths = corpus(tmp_path, lines=40)
     args = parse_args(train_command(paths, tmp_path / "run", "--bidirectional", 5)[3:])
-    args.threads = 0  # keep this process's thread count
+    args = replace(args, threads=0)  # keep this process's thread count
     run = train_module.Run(args)
     train = run.splits["train"]
     forward = sorted((tuple(s), tuple(t))
@@ -311,7 +311,7 @@ def test_run_widens_onednn_kernel_cache_unless_set(tmp_path, monkeypatch, preset
         monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", preset)
     paths = corpus(tmp_path, lines=20)
     args = parse_args(train_command(paths, tmp_path / "run")[3:])
-    args.threads = 0  # keep this process's thread count
+    args = replace(args, threads=0)  # keep this process's thread count
     train_module.Run(args)
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == (preset or "8192")
 
@@ -319,7 +319,7 @@ def test_run_widens_onednn_kernel_cache_unless_set(tmp_path, monkeypatch, preset
 def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
     paths = corpus(tmp_path, lines=40)
     args = parse_args(train_command(paths, tmp_path / "run")[3:])  # truecasing is the default
-    args.threads = 0  # keep this process's thread count
+    args = replace(args, threads=0)  # keep this process's thread count
     run = train_module.Run(args)
     raw = data.read_parallel(paths["train", "en"], paths["train", "de"])
     src, tgt = data.Truecaser.train(raw.src), data.Truecaser.train(raw.tgt)
@@ -335,12 +335,12 @@ def test_truecase_trains_on_truecased_text_and_a_resumed_run_keeps_it(tmp_path):
         "meta"]["truecase"] == src.forms  # what fastattn.Translator truecases sources with
 
     args = parse_args(train_command(paths, tmp_path / "run", "--resume", "--no-truecase")[3:])
-    args.threads = 0
+    args = replace(args, threads=0)
     with pytest.raises(checkpoint.CheckpointError, match="trained with --truecase, this command "
                        "gives --no-truecase"):
         train_module.Run(args)
     args = parse_args(train_command(paths, tmp_path / "run", "--resume")[3:])
-    args.threads = 0
+    args = replace(args, threads=0)
     resumed = train_module.Run(args)
     assert resumed.args.truecase and resumed.splits["train"].src_ids == train.src_ids
 
@@ -359,7 +359,7 @@ def test_output_vocab_target_numbers_the_target_pieces_first_and_a_resumed_run_k
     for choice in ("all", "target"):
         args = parse_args(train_command(paths, tmp_path / choice, "--output-vocab", choice,
                                         "--bidirectional", bidirectional)[3:])
-        args.threads = 0  # keep this process's thread count
+        args = replace(args, threads=0)  # keep this process's thread count
         runs[choice] = train_module.Run(args)
     full, run = runs["all"], runs["target"]
     assert full.config.output_size == full.config.vocab_size == run.config.vocab_size
@@ -382,11 +382,11 @@ def test_output_vocab_target_numbers_the_target_pieces_first_and_a_resumed_run_k
     run.save()
     resume = train_command(paths, tmp_path / "target", "--resume", "--bidirectional", bidirectional)
     args = parse_args([*resume[3:], "--output-vocab", "all"])
-    args.threads = 0
+    args = replace(args, threads=0)
     with pytest.raises(checkpoint.CheckpointError, match="--output-vocab target, this command"):
         train_module.Run(args)
     args = parse_args(resume[3:])
-    args.threads = 0
+    args = replace(args, threads=0)
     resumed = train_module.Run(args)
     assert resumed.config == run.config and resumed.splits["train"].tgt_ids == train.tgt_ids
 
@@ -396,7 +396,7 @@ def test_word_dropout_hides_source_and_decoder_input_pieces_but_not_targets(tmp_
     batches = {}
     for p in ("0", "0.2"):
         args = parse_args(train_command(paths, tmp_path / p, "--word-dropout", p)[3:])
-        args.threads = 0
+        args = replace(args, threads=0)
         batches[p] = next(train_module.Run(args).updates())
     for plain, dropped in zip(batches["0"], batches["0.2"], strict=True):
         for ids, kept in zip(plain[:2], dropped[:2], strict=True):  # source, decoder input
@@ -408,7 +408,7 @@ def test_word_dropout_hides_source_and_decoder_input_pieces_but_not_targets(tmp_
 def test_no_truecase_trains_on_the_text_as_it_is_and_a_resumed_run_keeps_it(tmp_path):
     paths = corpus(tmp_path, lines=40)
     args = parse_args(train_command(paths, tmp_path / "run", "--no-truecase")[3:])
-    args.threads = 0
+    args = replace(args, threads=0)
     run = train_module.Run(args)
     raw = data.read_parallel(paths["train", "en"], paths["train", "de"])
     assert run.splits["train"].src_ids == data.encode(run.sp, raw.src)
@@ -417,7 +417,7 @@ def test_no_truecase_trains_on_the_text_as_it_is_and_a_resumed_run_keeps_it(tmp_
         "meta"]["truecase"] is None  # fastattn.Translator neither truecases nor detruecases
 
     args = parse_args(train_command(paths, tmp_path / "run", "--resume")[3:])  # default: on
-    args.threads = 0
+    args = replace(args, threads=0)
     resumed = train_module.Run(args)
     assert not resumed.args.truecase and resumed.splits["train"].src_ids == run.splits[
         "train"].src_ids
@@ -532,7 +532,7 @@ def test_members_train_side_by_side_or_in_turn_and_the_final_model_is_their_ense
             "update 2" in first.stdout)
     finals = [checkpoint.load_checkpoint(run_dir / f"member{k}" / "checkpoint_final.pt")
               for k in (1, 2, 3)]
-    assert [f["meta"]["args"]["seed"] for f in finals] == [5, 6, 7]
+    assert [f["meta"]["config"]["seed"] for f in finals] == [5, 6, 7]
     assert not torch.equal(finals[0]["model"]["embedding.weight"],
                            finals[1]["model"]["embedding.weight"])
     ensemble = checkpoint.load_checkpoint(run_dir / "checkpoint_final.pt")
@@ -645,12 +645,12 @@ def test_members_share_one_precision_measurement(monkeypatch):
                         lambda name, device: calls.append(name) or (torch.bfloat16, False, "why"))
     args = parse_args(["--members", "3", "--device", "cpu"])
     members = [train_module.member_args(args, k) for k in range(3)]
-    train_module.share_precision(args, members)
+    members = train_module.share_precision(args, members)
     assert calls == ["auto"] and [m.precision for m in members] == ["bf16"] * 3
     assert members[2].precision_why == "measured once for every member"
     fp32 = parse_args(["--members", "2", "--device", "cpu", "--precision", "fp32"])
     members = [train_module.member_args(fp32, k) for k in range(2)]
-    train_module.share_precision(fp32, members)  # as asked: nothing measured
+    members = train_module.share_precision(fp32, members)  # as asked: nothing measured
     assert calls == ["auto"] and [m.precision for m in members] == ["fp32"] * 2
 
 

@@ -14,7 +14,9 @@ accumulation that make it up. Then the NaN/inf guard, optional clipping, Adam, a
 lr = lr_scale · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5).
 
 The modules, each depending only on those before it:
-- flags: the command line, its checks, and what a resumed run may change;
+- config: TrainConfig, the run's typed, frozen settings, as checkpoints store them, and what a
+  resumed run may change;
+- flags: the command line (argparse), its checks, and the TrainConfig it makes;
 - precision: --precision, measured on a CPU;
 - step: the schedule, the loss module and one update (train_step);
 - corpus, evaluation: the text, and decoding, BLEU and the dev loss;
@@ -25,10 +27,11 @@ The modules, each depending only on those before it:
 """
 
 from fastattn.train.command import main, train_and_score
+from fastattn.train.config import CONFIG_VERSION, TrainConfig, model_config, saved_flags
 from fastattn.train.corpus import Split, load_text, truecased
 from fastattn.train.evaluation import bleu_scores, dev_loss, translate
 from fastattn.train.final import choose_alpha, finish, plot_metrics, score_final
-from fastattn.train.flags import model_config, parse_args
+from fastattn.train.flags import parse_args
 from fastattn.train.members import (
     Stint,
     member_args,
@@ -42,9 +45,10 @@ from fastattn.train.run import Run, one_line_errors
 from fastattn.train.step import LossModule, StepResult, learning_rate, train_step
 
 __all__ = [
-    "BF16_MIN_SPEEDUP", "LossModule", "Run", "Split", "StepResult", "Stint", "bf16_matmul_speedup",
-    "bleu_scores", "choose_alpha", "dev_loss", "finish", "learning_rate", "load_text", "main",
-    "member_args", "member_jobs", "member_stints", "model_config", "one_line_errors",
-    "parse_args", "pick_precision", "plot_metrics", "score_final", "share_precision",
-    "train_and_score", "train_ensemble", "train_step", "translate", "truecased",
+    "BF16_MIN_SPEEDUP", "CONFIG_VERSION", "LossModule", "Run", "Split", "StepResult", "Stint",
+    "TrainConfig", "bf16_matmul_speedup", "bleu_scores", "choose_alpha", "dev_loss", "finish",
+    "learning_rate", "load_text", "main", "member_args", "member_jobs", "member_stints",
+    "model_config", "one_line_errors", "parse_args", "pick_precision", "plot_metrics",
+    "saved_flags", "score_final", "share_precision", "train_and_score", "train_ensemble",
+    "train_step", "translate", "truecased",
 ]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 
 import torch.distributed as dist
 
+from fastattn.train.config import TrainConfig
 from fastattn.train.final import finish
 from fastattn.train.flags import parse_args
 from fastattn.train.members import train_ensemble
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
             dist.destroy_process_group()
 
 
-def train_and_score(args: argparse.Namespace) -> None:
+def train_and_score(args: TrainConfig) -> None:
     if args.members > 1:
         run = train_ensemble(args)
     else:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass, replace
 
 from fastattn import data
+from fastattn.train.config import TrainConfig
 
 
 @dataclass
@@ -19,7 +19,7 @@ class Split:
     """Official tokenized references (Multi30k tok/), when the corpus has them."""
 
 
-def load_text(args: argparse.Namespace) -> dict[str, tuple[data.ParallelText, list[str] | None]]:
+def load_text(args: TrainConfig) -> dict[str, tuple[data.ParallelText, list[str] | None]]:
     """The training, dev and (if any) test text, with tokenized references where they exist."""
     if args.data == "multi30k":
         splits = {"train": "train", "valid": "val", "test": "test2016"}

@@ -1,33 +1,20 @@
-"""The command line of python -m fastattn.train: its flags, their checks, and the rules
-for which of them a resumed run may change."""
+"""The command line of python -m fastattn.train: its flags with their help, their checks, and
+the TrainConfig they make."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import os
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from fastattn import checkpoint, data
+from fastattn import data
 from fastattn.cli import HelpFormatter
-from fastattn.model import PRESETS, TransformerConfig
+from fastattn.model import PRESETS
+from fastattn.train.config import DROPOUT_FLAGS, SIZE_FLAGS, TrainConfig
 from fastattn.train.precision import BF16_MIN_SPEEDUP
-
-SIZE_FLAGS = ("encoder_layers", "decoder_layers", "d_model", "d_ff", "heads")
-DROPOUT_FLAGS = ("dropout", "attention_dropout", "activation_dropout")
-# the preset gives each of these unless the flag is given (table3-D3/D4 vary label smoothing)
-MODEL_FLAGS = SIZE_FLAGS + DROPOUT_FLAGS + ("label_smoothing",)
-# A resumed run keeps its checkpoint's model, vocabulary and task: these flags, given anew with
-# other values, are an error. The trajectory flags it takes as given, with a note in the log.
-CHECKPOINT_FLAGS = ("data", "src", "tgt", "vocab_size", "output_vocab", "truecase", "preset",
-                    *MODEL_FLAGS)
-TRAJECTORY_FLAGS = ("train", "seed", "max_tokens", "update_freq", "lr_scale", "warmup",
-                    "adam_betas", "adam_eps", "rdrop", "clip_norm", "word_dropout", "bpe_dropout",
-                    "bidirectional", "max_len", "max_len_ratio")
 
 # Paper values where the defaults differ, shown by --help.
 PAPER = {
@@ -46,7 +33,7 @@ PAPER = {
 
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
     parser = argparse.ArgumentParser(
         prog="python -m fastattn.train",
         description="Train a Transformer (Vaswani et al., 2017). Defaults: the tuned CPU recipe on "
@@ -185,16 +172,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # again over placeholders, which defaults do not replace.
     unset = object()
     again = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(vars(args), unset)))
-    args.given = sorted(name for name, value in vars(again).items() if value is not unset)
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
-    save_dir = Path(args.save_dir)
-    existing = next(p for p in (save_dir, *save_dir.parents) if p.exists())
+    given = tuple(sorted(name for name, value in vars(again).items() if value is not unset))
+    save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
+    existing = next(p for p in (Path(save_dir), *Path(save_dir).parents) if p.exists())
     if not existing.is_dir() or not os.access(existing, os.W_OK):
-        parser.error(f"--save-dir {args.save_dir}: {existing} is not a writable directory")
-    args.metrics = args.metrics or str(Path(args.save_dir) / "metrics.jsonl")
-    return args
+        parser.error(f"--save-dir {save_dir}: {existing} is not a writable directory")
+    return TrainConfig(**{
+        **vars(args),
+        "train": args.train and tuple(args.train), "valid": args.valid and tuple(args.valid),
+        "test": args.test and tuple(args.test),
+        "adam_betas": tuple(args.adam_betas), "alpha": tuple(args.alpha),
+        # the pieces of --bpe-dropout vary, so by default the softmax covers them all
+        "output_vocab": args.output_vocab or ("all" if args.bpe_dropout else "target"),
+        "device": ("cuda" if torch.cuda.is_available() else "cpu")
+        if args.device == "auto" else args.device,
+        "save_dir": save_dir,
+        "metrics": args.metrics or str(Path(save_dir) / "metrics.jsonl"),
+        "given": given,
+    })
 
 
 def _adder(parser: argparse.ArgumentParser):
@@ -221,6 +216,7 @@ def _alphas(text: str) -> list[float]:
 
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses bad flag values with an `error:` line and status 2, before anything runs."""
     if args.data == "files":
         if not args.train or not args.valid:
             parser.error("--data files needs --train SRC TGT and --valid SRC TGT")
@@ -246,9 +242,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     for name in SIZE_FLAGS:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
-    if args.output_vocab is None:
-        args.output_vocab = "all" if args.bpe_dropout else "target"
-    elif args.output_vocab == "target" and args.bpe_dropout:
+    if args.output_vocab == "target" and args.bpe_dropout:
         parser.error("--output-vocab target needs the text's own segmentation; --bpe-dropout "
                      "samples other pieces too")
     if args.lr_scale <= 0:
@@ -268,46 +262,4 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.keep < args.average_last:
         parser.error(f"--keep {args.keep} must be at least --average-last {args.average_last}")
 
-
-
-def _resumed_flags(args: argparse.Namespace, state: dict[str, Any], path: Path) -> list[str]:
-    """Notes on the trajectory flags given with other values than the checkpoint's run had;
-    a checkpoint flag given so is a CheckpointError."""
-    saved = state["meta"]["args"]
-    notes = []
-    for name in args.given:
-        if name not in CHECKPOINT_FLAGS + TRAJECTORY_FLAGS:
-            continue
-        then = state["config"][name] if name in MODEL_FLAGS else saved.get(name)
-        now = getattr(args, name)
-        if isinstance(now, (list, tuple)):
-            then, now = list(then or ()), list(now)
-        if then == now:
-            continue
-        if name in CHECKPOINT_FLAGS:
-            raise checkpoint.CheckpointError(
-                f"{path} was trained with {_flag(name, then)}, this command gives "
-                f"{_flag(name, now)}: a resumed run keeps its model, vocabulary and task (drop "
-                f"{_flag(name, now).split()[0]}, or use another --save-dir)")
-        notes.append(f"--resume: {_flag(name, now)} instead of the checkpoint's "
-                     f"{_flag(name, then)}; the run goes on with it, so it is no longer the "
-                     "uninterrupted run's")
-    return notes
-
-
-def _flag(name: str, value: Any) -> str:
-    """The command-line text giving flag `name` this value."""
-    flag = f"--{name.replace('_', '-')}"
-    if isinstance(value, bool):
-        return flag if value else f"--no-{flag[2:]}"
-    return f"{flag} {' '.join(map(str, value)) if isinstance(value, list) else value}"
-
-
-def model_config(args: argparse.Namespace, vocab_size: int,
-                 output_vocab_size: int | None = None) -> TransformerConfig:
-    """The preset with the model flags that were given applied to it."""
-    overrides = {name: getattr(args, name) for name in MODEL_FLAGS
-                 if getattr(args, name) is not None}
-    return replace(PRESETS[args.preset], vocab_size=vocab_size,
-                   output_vocab_size=output_vocab_size, pad_id=data.PAD_ID, **overrides)
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import multiprocessing
@@ -11,7 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 
 from fastattn import checkpoint
 from fastattn._extras import MissingExtraError
+from fastattn.train.config import TrainConfig
 from fastattn.train.final import finish, plot_metrics, score_final
 from fastattn.train.precision import pick_precision
 from fastattn.train.run import Run, one_line_errors
@@ -30,17 +30,14 @@ except ImportError as e:
     raise MissingExtraError(__name__, e) from None
 
 
-def member_args(args: argparse.Namespace, k: int) -> argparse.Namespace:
+def member_args(args: TrainConfig, k: int) -> TrainConfig:
     """The arguments of ensemble member k (0-based): its own seed, directory and metrics log."""
-    member = argparse.Namespace(**vars(args))
-    member.seed = args.seed + k
-    member.save_dir = str(Path(args.save_dir) / f"member{k + 1}")
-    member.metrics = str(Path(member.save_dir) / "metrics.jsonl")
-    member.plot = None
-    return member
+    save_dir = Path(args.save_dir) / f"member{k + 1}"
+    return replace(args, seed=args.seed + k, save_dir=str(save_dir),
+                   metrics=str(save_dir / "metrics.jsonl"), plot=None)
 
 
-def member_jobs(args: argparse.Namespace) -> int:
+def member_jobs(args: TrainConfig) -> int:
     """How many jobs train the ensemble's members, each a process of its own: by default one per
     CPU thread (up to one per member), but only on a CPU outside torchrun. There one-thread
     processes outrun one process with the threads (small ops leave cores idle that another
@@ -91,18 +88,18 @@ def member_stints(members: int, updates: int, jobs: int, grid: int) -> list[list
     return plan
 
 
-def share_precision(args: argparse.Namespace, members: Sequence[argparse.Namespace]) -> None:
-    """--precision auto on a CPU outside torchrun: measured once, here, for every member, so that
-    members training side by side cannot pick different precisions (under torchrun rank 0 picks
-    for each member)."""
+def share_precision(args: TrainConfig, members: Sequence[TrainConfig]) -> list[TrainConfig]:
+    """The members, with --precision auto on a CPU outside torchrun measured once, here, for all
+    of them, so that members training side by side cannot pick different precisions (under
+    torchrun rank 0 picks for each member)."""
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.precision != "auto" or args.device != "cpu" or torchrun:
-        return
+        return list(members)
     autocast, _, why = pick_precision("auto", torch.device("cpu"))
     name = "fp32" if autocast is None else "bf16"
     print(f"every member trains in {name} ({why})", flush=True)
-    for member in members:
-        member.precision, member.precision_why = name, "measured once for every member"
+    return [replace(member, precision=name, precision_why="measured once for every member")
+            for member in members]
 
 
 class Stopped(Exception):
@@ -124,7 +121,7 @@ class Shared:
                 raise Stopped
 
 
-def train_stints(members: Sequence[argparse.Namespace], stints: Sequence[Stint], job: int,
+def train_stints(members: Sequence[TrainConfig], stints: Sequence[Stint], job: int,
                  jobs: int, shared: Shared | None,
                  others_failed: Callable[[], bool] = lambda: False) -> Run:
     """Trains one job's stints of the ensemble's members in turn; returns the last one's Run."""
@@ -133,7 +130,7 @@ def train_stints(members: Sequence[argparse.Namespace], stints: Sequence[Stint],
         k, member = stint.member, members[stint.member]
         if stint.start:  # the member's head stint ran in another job
             shared.wait_for_head(k, others_failed)
-            member = argparse.Namespace(**{**vars(member), "resume": True})
+            member = replace(member, resume=True)
         if int(os.environ.get("RANK", "0")) == 0:
             carry_on = f", from update {stint.start}" if stint.start else ""
             print(f"ensemble member {k + 1} of {len(members)}: seed {member.seed}, "
@@ -153,7 +150,7 @@ def train_stints(members: Sequence[argparse.Namespace], stints: Sequence[Stint],
     return run
 
 
-def _member_job(members: Sequence[argparse.Namespace], stints: Sequence[Stint], job: int,
+def _member_job(members: Sequence[TrainConfig], stints: Sequence[Stint], job: int,
                 jobs: int, shared: Shared, parent: int, bar_lock) -> None:
     """A child process's stints. It ends when the run's process does, however that ends
     (Linux: SIGTERM on the parent's death, even by SIGKILL); checkpoints are atomic."""
@@ -177,7 +174,7 @@ def _member_job(members: Sequence[argparse.Namespace], stints: Sequence[Stint], 
         raise
 
 
-def train_ensemble(args: argparse.Namespace) -> Run:
+def train_ensemble(args: TrainConfig) -> Run:
     """--members N > 1: N runs shared out among --jobs processes (this one and children) by
     member_stints, then their final models as one ensemble checkpoint, scored like a final
     model."""
@@ -185,11 +182,10 @@ def train_ensemble(args: argparse.Namespace) -> Run:
     jobs = member_jobs(args)
     plan = member_stints(args.members, args.max_updates, jobs, args.save_every or 1)
     threads = torch.get_num_threads()
-    share_precision(args, members)
+    members = share_precision(args, members)
     children, shared = [], None
     if jobs > 1:
-        for member in members:
-            member.threads = args.threads or max(1, threads // jobs)
+        members = [replace(m, threads=args.threads or max(1, threads // jobs)) for m in members]
         spawn = multiprocessing.get_context("spawn")  # fork would copy torch's thread pools
         shared = Shared([spawn.Event() for _ in members], spawn.Array("b", len(members)),
                         spawn.Event())

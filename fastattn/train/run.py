@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import math
@@ -10,7 +9,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +21,15 @@ from torch.nn.parallel import DistributedDataParallel
 from fastattn import checkpoint, data
 from fastattn._extras import MissingExtraError
 from fastattn.model import Transformer, TransformerConfig
+from fastattn.train.config import (
+    TrainConfig,
+    config_meta,
+    model_config,
+    resume_notes,
+    saved_flags,
+)
 from fastattn.train.corpus import Split, load_text, truecased
 from fastattn.train.evaluation import bleu_scores, dev_loss, translate
-from fastattn.train.flags import _resumed_flags, model_config
 from fastattn.train.precision import pick_precision
 from fastattn.train.step import LossModule, learning_rate, train_step
 
@@ -56,7 +61,7 @@ class Run:
     """A training run: its data, model, optimiser, position, logging and checkpoints. `name`
     prefixes its log lines and `bar_row` places its progress bar, for runs side by side."""
 
-    def __init__(self, args: argparse.Namespace, name: str = "", bar_row: int = 0) -> None:
+    def __init__(self, args: TrainConfig, name: str = "", bar_row: int = 0) -> None:
         self.args = args
         self.name, self.bar_row = name, bar_row
         self.bar = None
@@ -80,7 +85,7 @@ class Run:
         # when oneDNN first runs, below; a user's own setting wins.
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
         self.autocast, use_scaler, why = pick_precision(args.precision, self.device)
-        why = getattr(args, "precision_why", why)  # set by share_precision
+        why = args.precision_why or why  # measured once for every member
         if self.distributed and self.device.type == "cpu":  # each rank measured: rank 0 decides
             use_bf16 = torch.tensor([self.autocast is not None])
             dist.broadcast(use_bf16, 0)
@@ -97,12 +102,13 @@ class Run:
         state = checkpoint.load_checkpoint(resume[0]) if resume else None
 
         if state is not None:
-            for note in _resumed_flags(args, state, resume[0]):
+            for note in resume_notes(args, state, resume[0]):
                 self.log(note)
         text = load_text(args)
         # A resumed run keeps the text processing its vocabulary was built for.
         if state is not None:
-            args.truecase = state["meta"]["args"].get("truecase", False)
+            truecase = saved_flags(state["meta"]).get("truecase", False)
+            args = self.args = replace(args, truecase=truecase)
         truecasers = None
         if args.truecase:
             raw = text["train"][0]
@@ -244,7 +250,7 @@ class Run:
             "config": asdict(self.config),
             "spm": self.spm_proto,
             "meta": {"step": self.step, "src": self.args.src, "tgt": self.args.tgt,
-                     "data": self.args.data, "args": dict(vars(self.args)),
+                     "data": self.args.data, "config": config_meta(self.args),
                      "truecase": self.source_truecaser and self.source_truecaser.forms},
             "train": {
                 "optimizer": self.optimizer.state_dict(),
