@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from benchmarks.common import DEVICE, DTYPES, QUICK, attention_flop, measure
 from fastattn._native import native
-from fastattn.kernels.attention import attention_reference
 from fastattn.ops import attention
+from fastattn.ops.attention import attention_reference
 
 TOKENS, HEADS = (64, 2) if QUICK else (4096, 8)  # batch = TOKENS // length
 SHAPES = [(32, 16), (64, 32)] if QUICK else [(32, 64), (128, 64), (512, 64), (2048, 64), (512, 128)]

@@ -5,10 +5,6 @@ from __future__ import annotations
 import warnings
 from types import ModuleType
 
-import torch
-
-from fastattn.backend import use_triton
-
 
 def _load() -> ModuleType | None:
     try:
@@ -24,15 +20,3 @@ def _load() -> ModuleType | None:
 
 
 native: ModuleType | None = _load()
-
-
-FLOAT32 = (torch.float32,)
-
-
-def native_cpu(*tensors: torch.Tensor | None, dtypes: tuple[torch.dtype, ...] = FLOAT32) -> bool:
-    """Whether fastattn._C's CPU training kernels take these tensors (None ones ignored): CPU
-    tensors of `dtypes` where the Triton kernels do not run (they do under TRITON_INTERPRET=1)."""
-    return native is not None and all(
-        t is None or (t.device.type == "cpu" and t.dtype in dtypes and not use_triton(t))
-        for t in tensors
-    )

@@ -1,10 +1,16 @@
-"""Which implementation runs an op: the Triton kernels or PyTorch.
+"""Which implementation runs an op: the one place that answers it (`implementation`), asked by
+the op layer (fastattn.ops) on every call and printed by `python -m fastattn.info`.
 
-"auto" (the default) runs the Triton kernels on CUDA tensors and PyTorch's native kernels on CPU
-tensors; "triton" runs the Triton kernels everywhere, on CPU tensors through Triton's interpreter,
-which only works if TRITON_INTERPRET=1 was set before triton was imported; "torch" runs PyTorch
-everywhere. The choice is read from FASTATTN_BACKEND at import and changed with set_backend().
-This is the only global state in fastattn.
+Implementations: "triton" (the kernels in kernels/, on CUDA), "triton-interpreter" (the same
+kernels on CPU tensors through Triton's interpreter), "fastattn._C" (the extension's CPU
+kernels) and "torch" (PyTorch's own ops, always available; float64 always runs there).
+
+The backend override, read from FASTATTN_BACKEND at import and changed with set_backend():
+"auto" (the default) picks per device as documented in `implementation`; "triton" runs the
+Triton kernels everywhere, on CPU tensors through the interpreter, which only works if
+TRITON_INTERPRET=1 was set before triton was imported; "torch" runs PyTorch everywhere, except
+that fastattn._C's CPU kernels still run where they apply. This is the only global state in
+fastattn.
 """
 
 from __future__ import annotations
@@ -14,8 +20,14 @@ import warnings
 
 import torch
 
+from fastattn._native import native
+
 BACKENDS = ("auto", "triton", "torch")
+IMPLEMENTATIONS = ("triton", "triton-interpreter", "fastattn._C", "torch")
+OPS = ("attention", "dropout", "layer_norm_residual", "label_smoothed_cross_entropy",
+       "linear_cross_entropy")
 TRITON_RANGE = ((3, 2), (3, 10))  # supported: >= 3.2, < 3.10
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _check_backend(name: str) -> str:
@@ -69,17 +81,101 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether an op on tensor x runs its Triton kernel; raises if "triton" cannot be honoured."""
+def _triton_on(device_type: str) -> str | None:
+    """The Triton implementation the backend runs on this device ("triton" or
+    "triton-interpreter"), or None; raises if FASTATTN_BACKEND=triton cannot be honoured."""
     if _backend == "torch":
-        return False
+        return None
     if _backend == "auto":
-        return x.device.type == "cuda" and TRITON_PROBLEM is None
+        return "triton" if device_type == "cuda" and TRITON_PROBLEM is None else None
     if TRITON_PROBLEM is not None:
         raise RuntimeError(f"FASTATTN_BACKEND=triton but {TRITON_PROBLEM}")
-    if x.device.type == "cpu" and not interpreter_active():
+    if device_type != "cpu":
+        return "triton"
+    if not interpreter_active():
         raise RuntimeError(
             "FASTATTN_BACKEND=triton on CPU tensors needs Triton's interpreter: set "
             "TRITON_INTERPRET=1 in the environment before triton is imported"
         )
-    return True
+    return "triton-interpreter"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the backend runs Triton kernels on x's device; raises if "triton" cannot be
+    honoured."""
+    return _triton_on(x.device.type) is not None
+
+
+def _native_takes(device_type: str, *dtypes: torch.dtype | None,
+                  allowed: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether fastattn._C's CPU kernels take tensors of these dtypes (None: tensor absent)."""
+    return (native is not None and device_type == "cpu"
+            and all(d is None or d in allowed for d in dtypes))
+
+
+# Dtypes the float32 fastattn._C kernels take after a conversion to float32: on CPU the
+# conversions cost less than the unfused PyTorch chain (serial dropout generator) they replace.
+UPCAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def native_reads_as_is(device_type: str, dtype: torch.dtype, residual_dtype: torch.dtype | None,
+                       param_dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether fastattn._C's layer_norm_residual reads its inputs without fp32 copies: all fp32,
+    or (post-norm under CPU autocast) a bf16 x beside an fp32 residual stream and parameters."""
+    stream = (residual_dtype, *param_dtypes)
+    return (_native_takes(device_type, dtype, *stream)
+            or (residual_dtype is not None and dtype == torch.bfloat16
+                and _native_takes(device_type, *stream)))
+
+
+def implementation(op: str, device: torch.device | str, dtype: torch.dtype,
+                   requires_grad: bool = False, *, masked: bool = True,
+                   residual_dtype: torch.dtype | None = None,
+                   param_dtypes: tuple[torch.dtype, ...] = ()) -> str:
+    """The implementation that runs `op` (one of OPS) on inputs of `device` and `dtype`.
+
+    requires_grad: a backward will follow (grad mode on and an input requires grad).
+    masked: attention with a mask or causal. residual_dtype, param_dtypes: layer_norm_residual's
+    residual (None: none) and weight/bias dtypes. Raises RuntimeError where
+    FASTATTN_BACKEND=triton cannot be honoured. Per op, where the Triton kernels do not run:
+    - attention: fastattn._C for fp32/bf16 calls needing a gradient that are masked, causal or
+      fp32 (benchmarks/bench_attention.py measured it faster there; unmasked bf16 runs PyTorch's
+      faster bf16 matrix products, inference PyTorch's fused kernel), else PyTorch.
+    - dropout: fastattn._C's counter-based mask on CPU fp32/bf16/fp16 (computed in fp32),
+      PyTorch elsewhere. Under the Triton backend, PyTorch.
+    - layer_norm_residual: fastattn._C on CPU when native_reads_as_is, or when x and residual
+      are not all fp32 but every tensor is fp32/bf16/fp16 (run on fp32 copies); else PyTorch.
+    - label_smoothed_cross_entropy: PyTorch.
+    - linear_cross_entropy: fastattn._C's chunk gradient on CPU fp32/bf16 with a gradient, else
+      PyTorch."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}: expected one of {OPS}")
+    device_type = torch.device(device).type
+    if dtype == torch.float64 and op != "dropout":
+        return "torch"  # the reference precision: the kernels have no fp64
+    if op == "dropout":  # the Triton backend draws PyTorch's masks (raising where it cannot run)
+        if device_type != "cpu" or _triton_on(device_type) is not None:
+            return "torch"
+        return "fastattn._C" if _native_takes(device_type, dtype, allowed=UPCAST_DTYPES) \
+            else "torch"
+    triton = _triton_on(device_type)
+    if triton is not None and dtype in TRITON_DTYPES:
+        return triton
+    if triton is not None:
+        return "torch"
+    if op == "attention":
+        native_dtypes = (torch.float32, torch.bfloat16)
+        faster = requires_grad and (masked or dtype == torch.float32)
+        return "fastattn._C" if faster and _native_takes(device_type, dtype,
+                                                         allowed=native_dtypes) else "torch"
+    if op == "layer_norm_residual":
+        stream = (residual_dtype, *param_dtypes)
+        mixed = dtype != torch.float32 or residual_dtype not in (None, dtype)
+        upcast = mixed and _native_takes(device_type, dtype, *stream, allowed=UPCAST_DTYPES)
+        return "fastattn._C" if native_reads_as_is(device_type, dtype, residual_dtype,
+                                                   param_dtypes) or upcast else "torch"
+    if op == "linear_cross_entropy":
+        native_dtypes = (torch.float32, torch.bfloat16)
+        return "fastattn._C" if requires_grad and _native_takes(
+            device_type, dtype, allowed=native_dtypes) else "torch"
+    return "torch"

@@ -1,3 +1,2 @@
-"""Triton kernels, one file per op: the kernels, their launchers, autograd and torch.library
-registration, and the PyTorch reference each is tested against. Public entry points are
-re-exported by fastattn.ops."""
+"""Triton kernels, one file per op: the @triton.jit kernels, their launchers, block-size tables
+and compile_configs(). Imports triton and torch only; the ops around them are fastattn.ops."""

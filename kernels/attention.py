@@ -1,49 +1,31 @@
 """Scaled dot-product attention (Vaswani et al., 2017, eq. 1) as FlashAttention-2 style Triton
-kernels, the PyTorch path used on CPU, and the explicit reference both are tested against.
+kernels and their launchers; the op (checks, torch.library registration, autograd, the CPU and
+PyTorch paths, the reference) is fastattn.ops.attention.
 
     O = dropout(softmax(Q K^T * scale + bias)) V        Q: (B, H, Lq, D), K, V: (B, H, Lk, D)
 
-Semantics are those of torch.nn.functional.scaled_dot_product_attention, with one deliberate
-difference: a query row that may attend to no key at all returns zeros and passes zero gradients
-(PyTorch's math path returns NaN there).
-
-- causal: False; True or "top_left" keeps key j for query i when j <= i (PyTorch's is_causal);
-  "bottom_right" keeps j <= i + Lk - Lq, for queries that continue a cached prefix of Lk - Lq keys.
+- causal (the launchers take None, "top_left" or "bottom_right"): "top_left" keeps key j for
+  query i when j <= i (PyTorch's is_causal); "bottom_right" keeps j <= i + Lk - Lq, for queries
+  that continue a cached prefix of Lk - Lq keys.
 - attn_mask: bool (True = may attend) or float (added to the scores), broadcastable to
   (B, H, Lq, Lk). The kernels read broadcast dimensions with stride 0, so a key-padding mask of
-  shape (B, 1, 1, Lk) is never expanded in memory. The mask is a constant: no gradient flows to it.
-- dropout_p: attention dropout, applied on every call (as in PyTorch; pass 0.0 in eval mode).
-  The kernels draw the keep mask as they go from a (seed, offset) pair taken from torch's default
-  generator, and the backward regenerates the same mask: the Triton kernels from Philox, the CPU
-  kernels from fastattn._C's counter-based hash (csrc/dropout.h, the one residual dropout uses).
+  shape (B, 1, 1, Lk) is never expanded in memory.
+- dropout_p: the kernels draw the keep mask as they go from Philox with a (seed, offset) pair,
+  and the backward regenerates the same mask.
+- A query row that may attend to no key returns zeros and passes zero gradients.
 
-On CPU, calls that need a gradient and are masked, causal or float32 run fastattn._C's
-attention (csrc/attention.cpp: one task per (batch, head) pair, float32 inside; see
-_use_native), through the same torch.library ops and autograd as the Triton kernels; other CPU
-calls run PyTorch's ops, with the native dropout mask where fastattn._C is built.
-
-Sections, top to bottom: the Triton kernels, their block-size table, the launchers, the native
-CPU launchers, the torch.library registration with autograd, the PyTorch path, the public op, the
-reference.
+Sections, top to bottom: the Triton kernels, their block-size table, the launchers.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from fastattn._native import native_cpu
-from fastattn.backend import interpreter_active, use_triton
-from fastattn.kernels.layer_norm import _seeded_dropout
-
-CAUSAL_ALIGNMENTS = {False: None, True: "top_left", "top_left": "top_left",
-                     "bottom_right": "bottom_right"}
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 256  # the widest head the block tables cover
 NO_MASK, BOOL_MASK, FLOAT_MASK = 0, 1, 2
 LOG2E = 1.4426950408889634
 
@@ -479,26 +461,20 @@ def _mask_args(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor)
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask, mask.stride()[:3], flags
 
 
-def _causal_shift(causal: str | None, lq: int, lk: int) -> int:
+def causal_shift(causal: str | None, lq: int, lk: int) -> int:
     return lk - lq if causal == "bottom_right" else 0
 
 
-def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _without_bf16(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Triton's CPU interpreter reads bf16 as raw bits (numpy has no bf16), so there bf16 tensors
-    are computed as fp32 copies; GPUs run the bf16 kernels."""
-    if not interpreter_active():
-        return tensors
-    return tuple(x.float() if x is not None and x.dtype == torch.bfloat16 else x for x in tensors)
-
-
-def _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale):
-    dtype = q.dtype
-    q, k, v, attn_mask = _without_bf16(q, k, v, attn_mask)
-    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      attn_mask: torch.Tensor | None, rng: torch.Tensor | None, causal: str | None,
+                      dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out (B, H, Lq, D) contiguous, fp32 log-sum-exp (B, H, Lq)); rng: int64 (seed, offset)
+    on the CPU when dropout_p > 0."""
+    q, k, v = (unit_last_stride(x) for x in (q, k, v))
     b, h, lq, d = q.shape
     lk = k.shape[2]
     out = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
@@ -510,18 +486,19 @@ def _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale)
     _attn_fwd[grid](
         q, k, v, mask, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), *mask_strides, h, lq, lk,
-        _causal_shift(causal, lq, lk), scale * LOG2E, dropout_p, seed, offset,
+        causal_shift(causal, lq, lk), scale * LOG2E, dropout_p, seed, offset,
         HEAD_DIM=d, BLOCK_D=_block_d(d), BLOCK_M=block_m, BLOCK_N=block_n, **mask_flags,
         CAUSAL=causal is not None, DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=num_warps, num_stages=num_stages)
-    return out.to(dtype), lse
+    return out, lse
 
 
-def _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p,
-                               scale):
-    dtype = q.dtype
-    grad_out, q, k, v, out, attn_mask = _without_bf16(grad_out, q, k, v, out, attn_mask)
-    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
+def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, attn_mask: torch.Tensor | None,
+                       rng: torch.Tensor | None, causal: str | None, dropout_p: float,
+                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous, for the forward's out and lse."""
+    q, k, v = (unit_last_stride(x) for x in (q, k, v))
     grad_out = grad_out.contiguous()
     b, h, lq, d = q.shape
     lk = k.shape[2]
@@ -537,7 +514,7 @@ def _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, caus
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), *mask_strides)
-    scalars = (h, lq, lk, _causal_shift(causal, lq, lk), scale * LOG2E, scale, dropout_p, seed,
+    scalars = (h, lq, lk, causal_shift(causal, lq, lk), scale * LOG2E, scale, dropout_p, seed,
                offset)
     flags = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), **mask_flags, CAUSAL=causal is not None,
                  DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype))
@@ -549,310 +526,15 @@ def _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, caus
     _attn_bwd_dq[(triton.cdiv(lq, block_m), b * h)](
         q, k, v, mask, grad_out, lse, delta, dq, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
-    return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+    return dq, dk, dv
 
 
-def _philox_seed_offset() -> torch.Tensor:
-    """A fresh (seed, offset) pair from torch's default CPU generator (so torch.manual_seed
-    reproduces it), kept on the CPU so reading it never synchronises a GPU."""
-    return torch.randint(0, 2**62, (2,), dtype=torch.int64)
-
-
-def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """The bool keep-mask (B, H, Lq, Lk) that the next attention(q, k, v, dropout_p=dropout_p)
-    call on the same backend will draw, given the same RNG state: the PyTorch path draws its mask
-    here, and tests, which reset the seed, call this, reset it again and compare attention against
-    the reference under this mask."""
-    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    if native_cpu(q, dtypes=(q.dtype,)):  # the mask does not depend on q's dtype
-        # fastattn._C's mask of row (b H + h) Lq + i, column j, as its attention kernels draw it.
-        # An op taking the seed as a tensor, so torch.compile traces this without a break.
-        seed = _philox_seed_offset()[:1]
-        ones = torch.ones(b * h * lq, lk)
-        return _seeded_dropout(ones, seed, dropout_p).ne(0).view(b, h, lq, lk)
-    if not use_triton(q):
-        return torch.rand((b, h, lq, lk), device=q.device) >= dropout_p
-    seed, offset = _philox_seed_offset().tolist()
-    keep = torch.empty((b, h, lq, lk), dtype=torch.int8, device=q.device)
+def dropout_keep_mask(b: int, h: int, lq: int, lk: int, dropout_p: float, rng: torch.Tensor,
+                      device: torch.device) -> torch.Tensor:
+    """The bool keep-mask (B, H, Lq, Lk) the attention kernels draw from rng = (seed, offset)."""
+    seed, offset = rng.tolist()
+    keep = torch.empty((b, h, lq, lk), dtype=torch.int8, device=device)
     grid = (triton.cdiv(lq, 32), triton.cdiv(lk, 32), b * h)
     _dropout_keep_mask_kernel[grid](keep, lq, lk, dropout_p, seed, offset, BLOCK_M=32,
                                     BLOCK_N=32)
     return keep.bool()
-
-
-# ---------------------------------------------------------------------------------------------
-# Native CPU launchers (fastattn._C)
-# ---------------------------------------------------------------------------------------------
-
-_NATIVE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _use_native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: bool) -> bool:
-    """Whether a CPU call runs fastattn._C's kernel: when it needs a gradient, and is masked or
-    causal, or float32. benchmarks/bench_attention.py's cpu_attention_paths measured it faster
-    forward+backward than the explicit product and PyTorch's fused kernel at 32-512 keys (at 16
-    its fp32 figures scatter around the explicit product's), with two exceptions left to PyTorch:
-    unmasked bfloat16, where the explicit product's bf16 matrix products are faster, and
-    inference, where the fused kernel without a backward is."""
-    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (backward and (masked or q.dtype == torch.float32)
-            and native_cpu(q, dtypes=_NATIVE_DTYPES))
-
-
-def _native_args(q, k, attn_mask, causal):
-    """(bias, causal, causal shift) for fastattn._C: the mask as a float32 additive bias at its
-    own size, viewed as (B, H, Lq, Lk) with stride 0 on broadcast dims."""
-    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    bias = None
-    if attn_mask is not None:
-        bias = (torch.zeros(attn_mask.shape, device=q.device).masked_fill_(~attn_mask, -math.inf)
-                if attn_mask.dtype == torch.bool else attn_mask.float())
-        bias = bias.expand(b, h, lq, lk)
-    return bias, causal is not None, _causal_shift(causal, lq, lk)
-
-
-def _native_seed(rng: torch.Tensor | None, dropout_p: float) -> int:
-    return int(rng[0]) if dropout_p > 0 else 0
-
-
-def _attention_forward_native(q, k, v, attn_mask, rng, causal, dropout_p, scale):
-    q, k, v = (_unit_last_stride(x) for x in (q, k, v))
-    return torch.ops.fastattn.cpu_attention_fwd(q, k, v, *_native_args(q, k, attn_mask, causal),
-                                                scale, dropout_p, _native_seed(rng, dropout_p))
-
-
-def _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p,
-                               scale):
-    q, k, v, grad_out = (_unit_last_stride(x) for x in (q, k, v, grad_out))
-    return torch.ops.fastattn.cpu_attention_bwd(grad_out, q, k, v, out, lse,
-                                                *_native_args(q, k, attn_mask, causal), scale,
-                                                dropout_p, _native_seed(rng, dropout_p))
-
-
-# ---------------------------------------------------------------------------------------------
-# torch.library registration: opaque to torch.compile, with fake tensors and autograd
-# ---------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("fastattn::attention_forward", mutates_args=())
-def _attention_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
-                          causal: str | None, dropout_p: float,
-                          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if native_cpu(q, dtypes=_NATIVE_DTYPES):
-        return _attention_forward_native(q, k, v, attn_mask, rng, causal, dropout_p, scale)
-    return _attention_forward_triton(q, k, v, attn_mask, rng, causal, dropout_p, scale)
-
-
-def _empty_result(x: torch.Tensor) -> torch.Tensor:
-    """An empty (B, H, L, D) like x, laid out as the op lays out its results: fastattn._C
-    writes (B, L, H, D), whose heads merge to (B, L, H·D) as a view; Triton writes contiguous."""
-    b, h, length, d = x.shape
-    if native_cpu(x, dtypes=_NATIVE_DTYPES):
-        return x.new_empty((b, length, h, d)).transpose(1, 2)
-    return x.new_empty((b, h, length, d))
-
-
-@_attention_forward_op.register_fake
-def _(q, k, v, attn_mask, rng, causal, dropout_p, scale):
-    return _empty_result(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-@torch.library.custom_op("fastattn::attention_backward", mutates_args=())
-def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                           attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
-                           causal: str | None, dropout_p: float,
-                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if native_cpu(q, dtypes=_NATIVE_DTYPES):
-        return _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
-                                          dropout_p, scale)
-    return _attention_backward_triton(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
-                                      dropout_p, scale)
-
-
-@_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale):
-    return _empty_result(q), _empty_result(k), _empty_result(v)
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, attn_mask, rng, causal, dropout_p, scale = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng)
-    ctx.causal, ctx.dropout_p, ctx.scale = causal, dropout_p, scale
-    ctx.mark_non_differentiable(lse)
-
-
-def _backward(ctx, grad_out, grad_lse):
-    q, k, v, out, lse, attn_mask, rng = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, rng, ctx.causal,
-                                        ctx.dropout_p, ctx.scale)
-    return dq, dk, dv, None, None, None, None, None
-
-
-_attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ---------------------------------------------------------------------------------------------
-# PyTorch path (CPU, or FASTATTN_BACKEND=torch)
-# ---------------------------------------------------------------------------------------------
-
-
-def _allowed_mask(causal: str | None, attn_mask: torch.Tensor | None, lq: int, lk: int,
-                  device: torch.device) -> torch.Tensor | None:
-    """The mask to give PyTorch: attn_mask combined with the causal band, an (Lq, Lk) bool."""
-    if causal is None:
-        return attn_mask
-    band = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(_causal_shift(causal, lq, lk))
-    if attn_mask is None:
-        return band
-    if attn_mask.dtype == torch.bool:
-        return attn_mask & band
-    return attn_mask.masked_fill(~band, float("-inf"))
-
-
-def _empty_rows(mask: torch.Tensor) -> torch.Tensor:
-    """(..., Lq, 1) True where a mask allows no key; shaped like the mask, never (B, H, Lq, Lk)."""
-    if mask.dtype == torch.bool:
-        return ~mask.any(-1, keepdim=True)
-    return (mask == float("-inf")).all(-1, keepdim=True)
-
-
-# PyTorch's fused CPU attention is tuned for long sequences. Up to these key lengths the explicit
-# product is faster forward+backward on CPU (bf16: 3-6x at 15-128 keys; fp32: 1.2-1.8x up to 64),
-# and its (Lq, Lk) scores are no bigger than a few rows of activations. Without a backward the
-# fused kernel wins at every length (2-4x at 1-256 keys, fp32 and bf16): inference uses it.
-_CPU_EXPLICIT_MAX_KEYS = {torch.float32: 64, torch.bfloat16: 512, torch.float16: 512}
-
-
-def _attention_torch(q, k, v, causal, attn_mask, dropout_p, scale):
-    lq, lk = q.shape[2], k.shape[2]
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.to(q.dtype)  # PyTorch wants a float mask in the inputs' dtype
-    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if (q.device.type == "cpu" and backward and lk <= _CPU_EXPLICIT_MAX_KEYS.get(q.dtype, 0)
-            and dropout_p == 0):
-        return attention_reference(q, k, v, causal=causal or False, attn_mask=attn_mask,
-                                   scale=scale)
-    if dropout_p == 0.0 and attn_mask is None and causal in (None, "top_left"):
-        # No row can be empty: top-left causal always allows key 0.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal is not None, scale=scale)
-    mask = _allowed_mask(causal, attn_mask, lq, lk, q.device)
-    empty = None
-    if mask is not None:  # empty rows attend uniformly (finite), then read zero: zero gradients
-        # Unconditional (no data-dependent branch) so torch.compile traces it as one graph.
-        empty = _empty_rows(mask)
-        mask = mask | empty if mask.dtype == torch.bool else mask.masked_fill(empty, 0.0)
-    if dropout_p == 0.0:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    else:  # PyTorch's dropout draws its mask internally; draw ours so tests can reproduce it
-        keep = _dropout_keep_mask(q, k, dropout_p)
-        out = attention_reference(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
-                                  dropout_keep=keep)
-    return out if empty is None else out.masked_fill(empty, 0.0)
-
-
-# ---------------------------------------------------------------------------------------------
-# Public op
-# ---------------------------------------------------------------------------------------------
-
-
-def _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale) -> None:
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(f"attention: {name} must be 4-D (B, H, L, D), got shape "
-                             f"{tuple(x.shape)}")
-    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
-                         f"{tuple(v.shape)} must be (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, D)")
-    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[3] == 0:
-        raise ValueError(f"attention: lengths and head dim must be >= 1, got q {tuple(q.shape)}"
-                         f" and k {tuple(k.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
-        raise TypeError(f"attention: q, k, v must share one floating dtype, got {q.dtype}, "
-                        f"{k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"attention: q, k, v on different devices: {q.device}, {k.device}, "
-                         f"{v.device}")
-    if causal not in CAUSAL_ALIGNMENTS:
-        raise ValueError(f"attention: causal must be False, True, 'top_left' or 'bottom_right', "
-                         f"got {causal!r}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not math.isfinite(scale):
-        raise ValueError(f"attention: scale must be finite, got {scale}")
-    if attn_mask is not None:
-        if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
-            raise TypeError(f"attention: attn_mask must be bool or floating, got "
-                            f"{attn_mask.dtype}")
-        target = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
-        try:
-            fits = torch.broadcast_shapes(attn_mask.shape, target) == target
-        except RuntimeError:
-            fits = False
-        if not fits:
-            raise ValueError(f"attention: attn_mask of shape {tuple(attn_mask.shape)} does not "
-                             f"broadcast to (B, H, Lq, Lk) = {target}")
-        if attn_mask.device != q.device:
-            raise ValueError(f"attention: attn_mask on {attn_mask.device}, q on {q.device}")
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-              causal: bool | str = False, attn_mask: torch.Tensor | None = None,
-              dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale + mask) v for q (B, H, Lq, D) and k, v (B, H, Lk, D) -> (B, H, Lq, D).
-
-    As torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p,
-    is_causal=causal, scale=scale), except that rows allowed no key return zeros with zero
-    gradients. causal: False, True / "top_left" (key j <= query i, PyTorch's alignment) or
-    "bottom_right" (j <= i + Lk - Lq). attn_mask: bool (True = attend) or float (added),
-    broadcastable to (B, H, Lq, Lk); no gradient flows to it. scale defaults to D ** -0.5.
-    Runs the Triton kernels (fp16, bf16, fp32; head dims up to 256) when
-    fastattn.backend.use_triton(q) says so; else, when a masked, causal or fp32 call needs a
-    gradient, fastattn._C's CPU kernels (fp32, bf16); PyTorch otherwise and for fp64.
-    """
-    _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale)
-    alignment = CAUSAL_ALIGNMENTS[causal]
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if use_triton(q) and q.dtype in _TRITON_DTYPES:
-        if q.shape[-1] > MAX_HEAD_DIM:
-            raise ValueError(f"attention: the Triton kernels support head dims up to "
-                             f"{MAX_HEAD_DIM}, got {q.shape[-1]}")
-    elif not _use_native(q, k, v, masked=attn_mask is not None or alignment is not None):
-        # fp64 (gradcheck, references) runs PyTorch on every backend: the kernels have no fp64.
-        return _attention_torch(q, k, v, alignment, attn_mask, dropout_p, scale)
-    rng = _philox_seed_offset() if dropout_p > 0 else None
-    out, _ = _attention_forward_op(q, k, v, attn_mask, rng, alignment, float(dropout_p), scale)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Reference
-# ---------------------------------------------------------------------------------------------
-
-
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        causal: bool | str = False, attn_mask: torch.Tensor | None = None,
-                        dropout_p: float = 0.0, scale: float | None = None,
-                        dropout_keep: torch.Tensor | None = None) -> torch.Tensor:
-    """The explicit math in the inputs' dtype (use fp64 for ground truth):
-    softmax(q k^T * scale + bias) masked to zero on fully masked rows, times dropout_keep / (1 - p)
-    when dropout_p > 0 (dropout_keep, a bool (B, H, Lq, Lk) mask, is then required), times v."""
-    alignment = CAUSAL_ALIGNMENTS[causal]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    lq, lk = q.shape[-2], k.shape[-2]
-    s = (q @ k.transpose(-2, -1)) * scale
-    mask = _allowed_mask(alignment, attn_mask, lq, lk, q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-        empty = _empty_rows(mask)
-        # Softmax of an all -inf row is NaN, in its gradient too: give it finite scores first.
-        p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    else:
-        p = torch.softmax(s, dim=-1)
-    if dropout_p > 0:
-        if dropout_keep is None:
-            raise ValueError("attention_reference: dropout_p > 0 needs the dropout_keep mask")
-        p = p * dropout_keep / (1.0 - dropout_p)
-    return p @ v

@@ -1,4 +1,4 @@
-"""fastattn.ops.attention against the fp64 reference (kernels/attention.py), on both backends:
+"""fastattn.ops.attention against the fp64 reference (fastattn/ops/attention.py), on both backends:
 FASTATTN_BACKEND=triton TRITON_INTERPRET=1 runs the Triton kernels, FASTATTN_BACKEND=torch the
 PyTorch path."""
 
@@ -10,17 +10,14 @@ import pytest
 import torch
 from conftest import INTERPRETED, assert_graded_close
 
-from fastattn._native import native_cpu
-from fastattn.kernels.attention import (
-    _attention_forward_op,
-    _dropout_keep_mask,
-    _use_native,
-    attention_reference,
-)
+from fastattn.backend import implementation
 from fastattn.ops import attention
+from fastattn.ops.attention import _attention_forward_op, _dropout_keep_mask, attention_reference
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
-NATIVE = native_cpu(torch.empty(0))
+NATIVE = implementation("attention", "cpu", torch.float32, requires_grad=True) == "fastattn._C"
+# What the op runs on CPU: the Triton interpreter, or fastattn._C (with IMPL as the op's argument).
+IMPL = implementation("attention", "cpu", torch.float32, requires_grad=True)
 NATIVE_REASON = ("fastattn._C's CPU attention runs under FASTATTN_BACKEND=torch with the extension "
                  "built (the interpreter run tests the Triton kernels instead)")
 # (Lq, Lk, D, causal): lengths 1, 17, 33, 65, 129, Lq != Lk both ways under each causal
@@ -241,11 +238,12 @@ def test_registered_op_fake_and_autograd(seeded):
     fullgraph compile of a function calling the op, with dropout drawn inside the graph."""
     q, k, v = (x.requires_grad_() for x in _inputs(17, 33, 40, torch.float32))
     mask = _masks(2, 3, 17, 33)["float"]
-    torch.library.opcheck(_attention_forward_op, (q, k, v, mask, None, "bottom_right", 0.0, 0.2))
+    torch.library.opcheck(_attention_forward_op,
+                          (q, k, v, mask, None, "bottom_right", 0.0, 0.2, IMPL))
 
     def block(q, k, v):
         rng = torch.randint(0, 2**62, (2,), dtype=torch.int64)
-        out, _ = _attention_forward_op(q, k, v, mask, rng, "top_left", 0.1, 0.2)
+        out, _ = _attention_forward_op(q, k, v, mask, rng, "top_left", 0.1, 0.2, IMPL)
         return out.square().sum()
 
     compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
@@ -270,7 +268,7 @@ def test_native_cpu_attention(seeded, lq, lk, d, causal, mask_name, dtype):
     two score tiles (97 > 64), every mask kind."""
     q, k, v = (x.requires_grad_() for x in _inputs(lq, lk, d, dtype))
     mask = None if mask_name is None else _masks(2, 3, lq, lk)[mask_name]
-    assert _use_native(q, k, v, masked=True)
+    assert implementation("attention", q.device, q.dtype, requires_grad=True) == "fastattn._C"
     if mask is not None and mask.is_floating_point():
         mask = mask.to(dtype)
     _check_against_reference(q, k, v, attn_mask=mask, causal=causal,
@@ -290,7 +288,7 @@ def test_native_cpu_attention_dropout(lq, lk, d, causal, mask_name, dtype):
     q, k, v = (x.requires_grad_() for x in _inputs(lq, lk, d, dtype))
     mask = _masks(2, 3, lq, lk)[mask_name]
     mask = mask.to(dtype) if mask.is_floating_point() else mask
-    assert _use_native(q, k, v, masked=True)
+    assert implementation("attention", q.device, q.dtype, requires_grad=True) == "fastattn._C"
     grad_out = torch.randn_like(q)
     torch.manual_seed(7)
     keep = _dropout_keep_mask(q, k, p)
@@ -319,28 +317,27 @@ def test_native_results_merge_heads_without_a_copy(seeded, dtype):
 def test_native_op_registration(seeded):
     q, k, v = (x.requires_grad_() for x in _inputs(17, 33, 40, torch.float32))
     mask = _masks(2, 3, 17, 33)["float"]
-    torch.library.opcheck(_attention_forward_op, (q, k, v, mask, None, "bottom_right", 0.0, 0.2))
+    torch.library.opcheck(_attention_forward_op,
+                          (q, k, v, mask, None, "bottom_right", 0.0, 0.2, IMPL))
     rng = torch.tensor([12345, 0])  # with dropout: the (seed, offset) input fixes the mask
-    torch.library.opcheck(_attention_forward_op, (q, k, v, mask, rng, "bottom_right", 0.3, 0.2))
+    torch.library.opcheck(_attention_forward_op,
+                          (q, k, v, mask, rng, "bottom_right", 0.3, 0.2, IMPL))
 
 
 def test_native_cpu_attention_only_where_it_is_faster_and_exact():
     """Masked, causal or fp32 calls that need a gradient run fastattn._C at any length; unmasked
     bf16 (PyTorch's bf16 matrix products are faster), inference (its fused kernel is faster
     without a backward) and dtypes other than fp32/bf16 take the PyTorch path."""
-    def inputs(lk=512, dtype=torch.float32, grad=True):
-        q, k, v = _inputs(3, lk, 16, dtype)
-        return q.requires_grad_(grad), k, v
+    def native(dtype=torch.float32, grad=True, masked=True):
+        return implementation("attention", "cpu", dtype, grad, masked=masked) == "fastattn._C"
 
-    assert _use_native(*inputs(), masked=True) == NATIVE
-    assert _use_native(*inputs(), masked=False) == NATIVE
-    assert _use_native(*inputs(dtype=torch.bfloat16), masked=True) == NATIVE
-    assert not _use_native(*inputs(dtype=torch.bfloat16), masked=False)
-    assert not _use_native(*inputs(grad=False), masked=True)
-    assert not _use_native(*inputs(dtype=torch.float16), masked=True)
-    assert not _use_native(*inputs(dtype=torch.float64), masked=True)
-    with torch.no_grad():
-        assert not _use_native(*inputs(), masked=True)
+    assert native(masked=True) == NATIVE
+    assert native(masked=False) == NATIVE
+    assert native(dtype=torch.bfloat16, masked=True) == NATIVE
+    assert not native(dtype=torch.bfloat16, masked=False)
+    assert not native(grad=False, masked=True)
+    assert not native(dtype=torch.float16, masked=True)
+    assert not native(dtype=torch.float64, masked=True)
 
 
 @pytest.mark.parametrize("args,kwargs,message", [

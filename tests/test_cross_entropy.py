@@ -5,10 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastattn.backend import use_triton
-from fastattn.kernels import cross_entropy
-from fastattn.kernels.cross_entropy import REDUCTIONS, cross_entropy_reference
-from fastattn.ops import label_smoothed_cross_entropy, linear_cross_entropy
+from fastattn.backend import implementation, use_triton
+from fastattn.ops import cross_entropy, label_smoothed_cross_entropy, linear_cross_entropy
+from fastattn.ops.cross_entropy import REDUCTIONS, cross_entropy_reference
 
 N = 6  # rows: small for the interpreter
 INTERPRETED = use_triton(torch.empty(0))  # CPU tensors go through Triton's interpreter
@@ -262,11 +261,12 @@ def test_linear_chunk_buffer_alignment_changes_no_bit(dtype, monkeypatch):
             return logits_buffer(*args)
 
     monkeypatch.setattr(cross_entropy, "_logits_buffer", buffer_in_nan_memory)
+    impl = implementation("linear_cross_entropy", "cpu", dtype, requires_grad=True)
     loss, nll, dh, dw, _ = cross_entropy._linear_cross_entropy_chunks(
-        hidden, weight, None, target, 0.1, -100, row_weight)
+        hidden, weight, None, target, 0.1, -100, row_weight, impl)
     logits = hidden @ weight.T
     assert logits.is_contiguous()
-    expected = cross_entropy._cross_entropy_grad(logits, target, row_weight, 0.1, -100)
+    expected = cross_entropy._cross_entropy_grad(logits, target, row_weight, 0.1, -100, impl)
     assert torch.equal(loss, expected[0]) and torch.equal(nll, expected[1])
     assert torch.equal(dh, logits @ weight) and torch.equal(dw, (logits.T @ hidden).float())
 

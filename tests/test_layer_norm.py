@@ -3,15 +3,12 @@
 import pytest
 import torch
 
-from fastattn._native import native_cpu
-from fastattn.backend import use_triton
-from fastattn.kernels.layer_norm import (
-    MAX_FEATURES,
-    _dropout_keep_mask,
-    forward_bytes,
-    layer_norm_residual_reference,
-)
+from fastattn.backend import implementation, use_triton
+from fastattn.kernels.layer_norm import MAX_FEATURES, forward_bytes
 from fastattn.ops import dropout, layer_norm_residual
+from fastattn.ops.layer_norm import _dropout_keep_mask, layer_norm_residual_reference
+
+NATIVE = implementation("layer_norm_residual", "cpu", torch.float32) == "fastattn._C"
 
 ROWS = (3, 2)  # leading dims, flattened to 6 rows: small for the interpreter
 
@@ -112,7 +109,7 @@ def test_mixed_dtypes_promote(dtype, dropout_p):
     _compare(512, dtype, residual_dtype=torch.float32, dropout_p=dropout_p, seed=1)
 
 
-@pytest.mark.skipif(not native_cpu(torch.empty(0)), reason="needs fastattn._C's CPU kernels")
+@pytest.mark.skipif(not NATIVE, reason="needs fastattn._C's CPU kernels")
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("n", [1, 17, 128, 1023])
 def test_bfloat16_beside_float32_residual_reads_x_as_it_is(dropout_p, n):
@@ -270,7 +267,7 @@ def test_forward_bytes():
 
 
 @pytest.mark.skipif(
-    not (use_triton(torch.empty(0)) or native_cpu(torch.empty(0))),
+    not (use_triton(torch.empty(0)) or NATIVE),
     reason="the fastattn::layer_norm_residual_* ops run the Triton kernels or fastattn._C's CPU "
     "kernels: this backend uses neither (FASTATTN_BACKEND=torch without a built fastattn._C)",
 )
@@ -285,7 +282,7 @@ def test_custom_op_registration():
     )
 
 
-@pytest.mark.skipif(not native_cpu(torch.empty(0)),
+@pytest.mark.skipif(not NATIVE,
                     reason="fastattn::seeded_dropout runs on CPU float32 with fastattn._C only, "
                     "and not under the Triton interpreter")
 def test_seeded_dropout_registration():

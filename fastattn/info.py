@@ -1,0 +1,111 @@
+"""python -m fastattn.info: what this installation runs, as `python -m xformers.info` prints it.
+
+Versions, the extension fastattn._C, Triton, the backend override, the CPU's vector features, the
+GPU, and the dispatch table: for every op, device, dtype and grad mode, the implementation
+fastattn.backend.implementation names, which is the function the ops ask on every call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import fastattn
+from fastattn import backend
+from fastattn.backend import OPS, implementation
+
+DEVICES = ("cpu", "cuda")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
+GRAD_MODES = {"inference": False, "training": True}
+CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_tile",
+                "amx_bf16", "amx_int8")
+
+
+def dispatch_table() -> list[tuple[str, str, str, str, str]]:
+    """(op, device, dtype, grad mode, implementation) for every combination; where the backend
+    override cannot be honoured, the implementation is the error's first words."""
+    rows = []
+    for op in OPS:
+        for device in DEVICES:
+            for dtype_name, dtype in DTYPES.items():
+                for mode, requires_grad in GRAD_MODES.items():
+                    try:
+                        impl = implementation(op, device, dtype, requires_grad)
+                    except RuntimeError as e:
+                        impl = f"error: {str(e).split(':')[0]}"
+                    rows.append((op, device, dtype_name, mode, impl))
+    return rows
+
+
+def _cpu_features() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return "unknown (no /proc/cpuinfo)"
+    flags: set[str] = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    return " ".join(f"{name}={'yes' if name in flags else 'no'}" for name in CPU_FEATURES)
+
+
+def _extension() -> str:
+    if fastattn.native is None:
+        return "not built"
+    cuda_search = torch._C._dispatch_has_kernel_for_dispatch_key("fastattn::beam_search_step",
+                                                                 "CUDA")
+    return f"built ({fastattn.native.__file__}); CUDA beam search compiled in: " \
+           f"{'yes' if cuda_search else 'no'}"
+
+
+def _triton() -> tuple[str, str]:
+    if backend.TRITON_PROBLEM is not None:
+        return "not usable", backend.TRITON_PROBLEM
+    import triton
+
+    interpreter = "on" if backend.interpreter_active() else "off"
+    return f"{triton.__version__}, usable", f"interpreter (TRITON_INTERPRET=1) {interpreter}"
+
+
+def _gpu() -> str:
+    if not torch.cuda.is_available():
+        return "none"
+    props = torch.cuda.get_device_properties(0)
+    return (f"{torch.cuda.device_count()} x {props.name}, sm_{props.major}{props.minor}, "
+            f"{props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}")
+
+
+def report() -> str:
+    triton_state, interpreter = _triton()
+    lines = [
+        f"{'python':<28}{platform.python_version()} ({sys.executable})",
+        f"{'torch':<28}{torch.__version__}",
+        f"{'triton':<28}{triton_state}; {interpreter}",
+        f"{'fastattn':<28}{fastattn.__version__}",
+        f"{'fastattn._C':<28}{_extension()}",
+        f"{'backend (FASTATTN_BACKEND)':<28}{backend.get_backend()}",
+        f"{'cpu':<28}{platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} torch threads",
+        f"{'cpu features':<28}{_cpu_features()}",
+        f"{'gpu':<28}{_gpu()}",
+        "",
+        "dispatch: op, device, dtype, grad mode -> implementation (attention masked or causal)",
+    ]
+    lines += [f"  {op:<30}{device:<6}{dtype:<6}{mode:<11}{impl}"
+              for op, device, dtype, mode, impl in dispatch_table()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(prog="python -m fastattn.info", description=__doc__.split("\n")[0]
+                            ).parse_args(argv)
+    print(report())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+"""fastattn.ops.layer_norm: y = LayerNorm(residual + dropout(x)) over the last dim, the paper's
+sub-layer connection, around kernels/layer_norm.py's fused Triton kernels; and dropout.
+
+fastattn.backend.implementation("layer_norm_residual", ...) picks what runs: "torch" runs
+dropout(), an add and F.layer_norm (PyTorch's autograd); the others run the torch.library op
+fastattn::layer_norm_residual_fwd, whose CUDA registration is the Triton launcher and whose CPU
+registration is fastattn._C's one-pass kernel (csrc/layer_norm.cpp, float32 inside), or the
+Triton launcher under Triton's interpreter. Dropout randomness comes from torch's generator
+(a per-call seed), so torch.manual_seed reproduces it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastattn.backend import implementation, native_reads_as_is
+from fastattn.kernels import layer_norm as kernels
+from fastattn.kernels.layer_norm import MAX_FEATURES, separate_dresidual
+
+
+def _impl(x: torch.Tensor, residual: torch.Tensor | None, *params: torch.Tensor | None) -> str:
+    return implementation("layer_norm_residual", x.device, x.dtype,
+                          residual_dtype=None if residual is None else residual.dtype,
+                          param_dtypes=tuple(p.dtype for p in params if p is not None))
+
+
+@torch.library.custom_op("fastattn::layer_norm_residual_fwd", mutates_args=(),
+                         device_types="cuda")
+def _layer_norm_residual_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    eps: float,
+    dropout_p: float,
+    return_residual: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, sum or empty, mean, rstd) for 2-D x and residual with unit column stride."""
+    return kernels.layer_norm_residual_forward(x, residual, weight, bias, seed, eps, dropout_p,
+                                               return_residual)
+
+
+@_layer_norm_residual_fwd.register_kernel("cpu")
+def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual):
+    if _impl(x, residual, weight, bias) == "triton-interpreter":  # the one override
+        return kernels.layer_norm_residual_forward(x, residual, weight, bias, seed, eps,
+                                                   dropout_p, return_residual)
+    return torch.ops.fastattn.cpu_layer_norm_residual_fwd(
+        x, residual, weight, bias, 0 if seed is None else int(seed), eps, dropout_p,
+        return_residual,
+    )
+
+
+@_layer_norm_residual_fwd.register_fake
+def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual):
+    dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y = x.new_empty(x.shape, dtype=dtype)
+    s = torch.empty_like(y) if return_residual else y.new_empty(0)
+    mean = x.new_empty(x.shape[0], dtype=torch.float32)
+    return y, s, mean, torch.empty_like(mean)
+
+
+
+@torch.library.custom_op("fastattn::layer_norm_residual_bwd", mutates_args=(),
+                         device_types="cuda")
+def _layer_norm_residual_bwd(
+    dy: torch.Tensor,
+    dsum: torch.Tensor | None,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    has_bias: bool,
+    seed: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    dropout_p: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dresidual or empty, fp32 dweight or empty, fp32 dbias or empty); dresidual is empty
+    when it equals dx (custom ops may not return aliases)."""
+    return kernels.layer_norm_residual_backward(dy.contiguous(), _contiguous(dsum), x, residual,
+                                                weight, has_bias, seed, mean, rstd, dropout_p)
+
+
+@_layer_norm_residual_bwd.register_kernel("cpu")
+def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p):
+    dy, dsum = dy.contiguous(), _contiguous(dsum)
+    if _impl(x, residual, weight) == "triton-interpreter":
+        return kernels.layer_norm_residual_backward(dy, dsum, x, residual, weight, has_bias,
+                                                    seed, mean, rstd, dropout_p)
+    return torch.ops.fastattn.cpu_layer_norm_residual_bwd(
+        dy, dsum, x, residual, weight, has_bias, 0 if seed is None else int(seed), mean, rstd,
+        dropout_p,
+    )
+
+
+@_layer_norm_residual_bwd.register_fake
+def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p):
+    N = x.shape[1]
+    separate = separate_dresidual(x, residual, dropout_p)
+    dr = torch.empty_like(residual) if separate else x.new_empty(0)
+    dw = x.new_empty(N if weight is not None else 0, dtype=torch.float32)
+    db = x.new_empty(N if has_bias else 0, dtype=torch.float32)
+    return torch.empty_like(x), dr, dw, db
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, seed, eps, dropout_p, return_residual = inputs
+    _, _, mean, rstd = output
+    ctx.save_for_backward(x, residual, weight, seed, mean, rstd)
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.dropout_p = dropout_p
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, dsum, _dmean, _drstd):
+    x, residual, weight, seed, mean, rstd = ctx.saved_tensors
+    if dy is None:  # only the returned sum was used downstream
+        dy = torch.zeros_like(x, dtype=dsum.dtype if dsum is not None else x.dtype)
+    has_bias = ctx.bias_dtype is not None
+    dx, dr, dw, db = _layer_norm_residual_bwd(
+        dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, ctx.dropout_p
+    )
+    if residual is None:
+        dr = None
+    elif not separate_dresidual(x, residual, ctx.dropout_p):
+        dr = dx
+    return (
+        dx, dr, dw.to(weight.dtype) if weight is not None else None,
+        db.to(ctx.bias_dtype) if has_bias else None,
+        None, None, None, None,
+    )
+
+
+torch.library.register_autograd(
+    "fastattn::layer_norm_residual_fwd", _backward, setup_context=_setup_context
+)
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t as (rows, features) with unit column stride, a view whenever possible."""
+    if t is None:
+        return None
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
+def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _draw_seed(device: torch.device) -> torch.Tensor:
+    """A fresh dropout seed from torch's generator for `device`, kept on the device (no sync)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+
+
+@torch.library.custom_op("fastattn::seeded_dropout", mutates_args=(), device_types="cpu")
+def seeded_dropout(x: torch.Tensor, seed: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """x · keep / (1 - p) on CPU float32, keep a function of (seed, position): fastattn._C's
+    cpu_dropout, with layer_norm_residual's mask. Its backward is itself applied to the grad."""
+    return torch.ops.fastattn.cpu_dropout(x, int(seed), dropout_p)
+
+
+@seeded_dropout.register_fake
+def _(x, seed, dropout_p):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _seeded_dropout_setup_context(ctx, inputs, output):
+    ctx.seed, ctx.dropout_p = inputs[1], inputs[2]
+
+
+torch.library.register_autograd(
+    "fastattn::seeded_dropout",
+    lambda ctx, grad: (seeded_dropout(grad, ctx.seed, ctx.dropout_p), None, None),
+    setup_context=_seeded_dropout_setup_context,
+)
+
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """F.dropout(x, p, training) for p in [0, 1). On CPU PyTorch draws masks from a serial
+    generator (dropout was a fifth of a small model's step), so float32, bfloat16 and float16
+    take fastattn._C's counter-based mask (layer_norm_residual's), computed in float32, and
+    float64 compares torch.rand against p (bernoulli_ is 4x slower than rand there). GPUs run
+    F.dropout. What runs is fastattn.backend.implementation("dropout", ...)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu":
+        return F.dropout(x, p, training)
+    if implementation("dropout", x.device, x.dtype) == "fastattn._C":
+        return seeded_dropout(x.float(), _draw_seed(x.device), p).to(x.dtype)
+    return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
+
+
+def layer_norm_residual_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    keep: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(LayerNorm(residual + x * keep / (1 - p)), the sum) in the inputs' dtype, for any dtype
+    including float64; `keep` is an explicit dropout keep mask (None: no dropout)."""
+    h = x if keep is None else torch.where(keep, x / (1 - dropout_p), 0)
+    s = h if residual is None else residual + h
+    return F.layer_norm(s, s.shape[-1:], weight, bias, eps), s
+
+
+def layer_norm_residual(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    dropout_p: float = 0.0,
+    return_residual: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """LayerNorm(residual + dropout(x)) over the last dimension, with optional affine parameters.
+
+    x and residual (or None) share a shape (..., N); weight and bias are (N,) or None. Dropout is
+    applied to x with probability `dropout_p`: pass 0.0 outside training. With
+    `return_residual=True` returns (y, residual + dropout(x)), the stream a pre-norm stack
+    carries on. The output dtype is the promotion of x's and residual's dtypes. The Triton
+    kernel handles N <= MAX_FEATURES; wider rows raise ValueError there. On CPU, float32 runs
+    fastattn._C's one-pass kernel (no row limit), as does a bfloat16 x beside a float32 residual
+    (read as it is: post-norm under autocast), other bfloat16 and float16 inputs run it on
+    float32 copies, and float64 runs dropout(), an add and F.layer_norm. All draw their dropout
+    randomness from torch's generator: torch.manual_seed reproduces it.
+    """
+    N = x.shape[-1]
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is not None and p.shape != (N,):
+            raise ValueError(f"{name} must have shape ({N},), got {tuple(p.shape)}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    impl = _impl(x, residual, weight, bias)
+    if impl == "fastattn._C" and not native_reads_as_is(
+            "cpu", x.dtype, None if residual is None else residual.dtype,
+            tuple(p.dtype for p in (weight, bias) if p is not None)) and x.numel():
+        # Mixed dtypes the kernel does not read as they are: run it on float32 copies.
+        dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+        out = layer_norm_residual(
+            x.float(), _float(residual), _float(weight), _float(bias), eps, dropout_p,
+            return_residual,
+        )
+        return tuple(t.to(dtype) for t in out) if return_residual else out.to(dtype)
+    if x.numel() == 0 or impl == "torch":
+        h = dropout(x, dropout_p)
+        y, s = layer_norm_residual_reference(h, residual, weight, bias, eps)
+        return (y, s) if return_residual else y
+    if impl.startswith("triton") and N > MAX_FEATURES:
+        raise ValueError(
+            f"layer_norm_residual's Triton kernel supports at most {MAX_FEATURES} features per "
+            f"row, got {N}"
+        )
+    seed = _draw_seed(x.device) if dropout_p > 0 else None
+    y, s, _, _ = _layer_norm_residual_fwd(
+        _rows(x), _rows(residual), _contiguous(weight), _contiguous(bias), seed, eps, dropout_p,
+        return_residual,
+    )
+    y = y.view(x.shape)
+    return (y, s.view(x.shape)) if return_residual else y
+
+
+def _dropout_keep_mask(x: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """The keep mask layer_norm_residual(x, ...) draws at the current RNG state (for tests):
+    the op's own returned sum of dropout(ones) and zeros."""
+    ones = torch.ones_like(x)
+    _, s = layer_norm_residual(
+        ones, torch.zeros_like(x), None, None, dropout_p=dropout_p, return_residual=True
+    )
+    return s != 0

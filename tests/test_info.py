@@ -1,0 +1,26 @@
+"""python -m fastattn.info: its dispatch table is what fastattn.backend.implementation answers."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from fastattn.backend import OPS, implementation
+from fastattn.info import DTYPES, GRAD_MODES
+
+
+def test_info_prints_the_dispatch_table_implementation_returns():
+    out = subprocess.run([sys.executable, "-m", "fastattn.info"], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=120)
+    assert out.returncode == 0, out.stderr
+    head, table = out.stdout.split("dispatch:")
+    for field in ("python", "torch", "triton", "fastattn._C", "backend", "cpu features", "gpu"):
+        assert field in head, field
+    rows = {tuple(line.split()[:4]): line.split(None, 4)[4] for line in table.splitlines()[1:]}
+    assert len(rows) == len(OPS) * 2 * len(DTYPES) * len(GRAD_MODES)
+    for (op, device, dtype, mode), impl in rows.items():
+        if impl.startswith("error"):
+            continue  # the override cannot be honoured here; the ops raise too
+        expected = implementation(op, torch.device(device), DTYPES[dtype], GRAD_MODES[mode])
+        assert impl == expected, (op, device, dtype, mode)
