@@ -11,6 +11,84 @@ from fastattn.backend import get_backend
 INTERPRETED = get_backend() == "triton"
 
 
+# The tests that reach a Triton kernel on CPU tensors under FASTATTN_BACKEND=triton (marker
+# `triton`): the interpreter pass of ./run test runs only these. Every test of the op modules (their
+# few that launch nothing check the Triton path's argument checks and routing), and in the other
+# modules the tests that launch one. Evidence: .ci/triton_probe.py, a pytest plugin recording the
+# launches per test, over the whole suite under FASTATTN_BACKEND=triton TRITON_INTERPRET=1 (the
+# tests launching in subprocesses of their own run FASTATTN_BACKEND=torch there). A new test that
+# runs the model or the ops on CPU in another module belongs in TRITON_TESTS.
+TRITON_MODULES = ("test_attention.py", "test_layer_norm.py", "test_cross_entropy.py",
+                  "test_modules.py")
+TRITON_TESTS = {
+    "test_checkpoint.py": ["test_load_model"],
+    "test_decode_attention.py": ["test_decoder_step_bad_input_errors"],
+    "test_distributed.py": ["test_two_ranks_equal_one_process_on_the_whole_batch"],
+    "test_ensemble.py": [
+        "test_beam_search_scores_are_the_ensembles_log_probability_of_the_hypothesis",
+        "test_command_line_builds_an_ensemble_that_translate_reads",
+        "test_decode_step_is_the_log_of_the_mean_probability_over_members",
+        "test_ensemble_checkpoint_loads_as_its_members",
+        "test_ensemble_of_one_is_the_model_and_of_copies_is_the_same_search",
+        "test_translator_with_an_ensemble_of_copies_translates_like_the_model",
+    ],
+    "test_model.py": [
+        "test_attention_weights_are_the_ones_the_model_uses",
+        "test_cached_decoding_equals_teacher_forcing",
+        "test_cached_decoding_follows_beam_search_reorders",
+        "test_decode_step_does_not_rerun_the_prefix",
+        "test_decoder_is_causal",
+        "test_decoding_errors_are_clear",
+        "test_decoding_follows_a_fused_optimiser",
+        "test_decoding_follows_weights_updated_in_place",
+        "test_decoding_one_row_per_sentence_then_beams",
+        "test_dropout_only_in_training",
+        "test_fused_loss_equals_label_smoothed_cross_entropy_of_logits",
+        "test_loss_returns_the_unsmoothed_nll_too",
+        "test_native_beam_search_does_not_depend_on_earlier_searches",
+        "test_native_beam_search_equals_search_over_decode_step",
+        "test_padding_changes_nothing",
+        "test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl",
+        "test_rdrop_loss_without_dropout_is_the_loss",
+        "test_tied_embedding_scaled_by_sqrt_d_model",
+    ],
+    "test_train.py": [
+        "test_accumulated_micro_batches_equal_one_batch",
+        "test_clipping_bounds_the_update",
+        "test_nan_guard_skips_the_update",
+        "test_output_vocab_target_numbers_the_target_pieces_first_and_a_resumed_run_keeps_it",
+        "test_rdrop_update_reports_its_loss_and_moves_the_model",
+        "test_update_changes_the_model_and_the_loss_per_token_is_right",
+    ],
+    "test_translate.py": [
+        "test_a_truecased_model_truecases_sources_and_detruecases_translations",
+        "test_attention_weights",
+        "test_batching_changes_no_translation",
+        "test_command_line",
+        "test_input_order_survives_windows_and_length_sorting",
+        "test_plot_attention",
+        "test_stream_reads_only_a_window_ahead",
+        "test_translator_matches_a_direct_beam_search",
+    ],
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    modules = {}
+    for item in items:
+        name = item.path.name
+        modules.setdefault(name, getattr(item, "module", None))
+        test = getattr(item, "originalname", item.name)
+        if name in TRITON_MODULES or test in TRITON_TESTS.get(name, ()):
+            item.add_marker(pytest.mark.triton)
+    # A renamed or removed test would leave the interpreter pass silently: name it.
+    stale = [f"tests/{name}::{test}" for name, module in modules.items()
+             for test in TRITON_TESTS.get(name, ()) if not hasattr(module, test)]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py TRITON_TESTS names missing tests: {stale}")
+
+
 @pytest.fixture
 def seeded() -> int:
     """Seeds torch's default generators; the test gets the seed."""
