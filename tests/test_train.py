@@ -295,10 +295,11 @@ def test_bidirectional_training_sees_both_directions_then_source_to_target(tmp_p
                      for s, t in zip(train.src_ids, train.tgt_ids, strict=True))
     reverse = sorted((t, s) for s, t in forward)
 
-    assert pairs_of_an_epoch(run.updates(), len(run.both_batches)) == sorted(forward + reverse)
+    both = len(run.training_pairs.both_batches)
+    assert pairs_of_an_epoch(run.updates(), both) == sorted(forward + reverse)
     assert (run.epoch, run.epoch_step) == (1, 0)
     run.step = 5  # past the bidirectional phase
-    assert pairs_of_an_epoch(run.updates(), len(run.forward_batches)) == forward
+    assert pairs_of_an_epoch(run.updates(), len(run.training_pairs.forward_batches)) == forward
 
 
 @pytest.mark.parametrize("preset", [None, "64"])

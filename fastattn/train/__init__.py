@@ -19,7 +19,8 @@ The modules, each depending only on those before it:
 - flags: the command line (argparse), its checks, and the TrainConfig it makes;
 - precision: --precision, measured on a CPU;
 - step: the schedule, the loss module and one update (train_step);
-- corpus, evaluation: the text, and decoding, BLEU and the dev loss;
+- corpus: the text and its vocabulary; pairs: the training pairs and their batches;
+- evaluation: decoding, BLEU and the dev loss;
 - run: Run, one training run with its checkpoints;
 - final: the final model's length penalty, test BLEU and training curves;
 - members: --members, an ensemble trained by one or more processes;

@@ -8,12 +8,11 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
@@ -28,8 +27,9 @@ from fastattn.train.config import (
     resume_notes,
     saved_flags,
 )
-from fastattn.train.corpus import Split, load_text, truecased
+from fastattn.train.corpus import prepare_corpus
 from fastattn.train.evaluation import bleu_scores, dev_loss, translate
+from fastattn.train.pairs import TrainingPairs
 from fastattn.train.precision import pick_precision
 from fastattn.train.step import LossModule, learning_rate, train_step
 
@@ -104,102 +104,21 @@ class Run:
         if state is not None:
             for note in resume_notes(args, state, resume[0]):
                 self.log(note)
-        text = load_text(args)
         # A resumed run keeps the text processing its vocabulary was built for.
         if state is not None:
             truecase = saved_flags(state["meta"]).get("truecase", False)
             args = self.args = replace(args, truecase=truecase)
-        truecasers = None
-        if args.truecase:
-            raw = text["train"][0]
-            truecasers = data.Truecaser.train(raw.src), data.Truecaser.train(raw.tgt)
-        self.source_truecaser = truecasers[0] if truecasers else None  # for translating
-        model_text = {name: truecased(t, truecasers) for name, (t, _) in text.items()}
-        output_vocab_size = None
-        if state is not None:
-            self.spm_proto = state["spm"]
-        else:
-            started = time.time()
-            train = model_text["train"]
-            self.spm_proto = data.train_sentencepiece(train.src + train.tgt, args.vocab_size)
-            self.log(f"SentencePiece BPE, {args.vocab_size} joint pieces, trained on "
-                     f"{2 * len(train)} {'truecased ' * args.truecase}sentences in "
-                     f"{time.time() - started:.1f}s")
-            if args.output_vocab == "target":
-                sp = data.load_sentencepiece(self.spm_proto)
-                targets = train.tgt + train.src * bool(args.bidirectional)
-                pieces = {i for ids in data.encode(sp, targets) for i in ids}
-                self.spm_proto, output_vocab_size = data.pieces_first(self.spm_proto, pieces)
-                self.log(f"output vocabulary: the {output_vocab_size} pieces (special ones "
-                         f"included) of the training text's {args.tgt} side"
-                         f"{' and of its source side' * bool(args.bidirectional)}, numbered "
-                         "first")
-        self.sp = data.load_sentencepiece(self.spm_proto)
-        # Splits keep the raw text (BLEU is against it) beside the ids of the model's text.
-        self.splits = {
-            name: Split(t, data.encode(self.sp, model_text[name].src),
-                        data.encode(self.sp, model_text[name].tgt), refs)
-            for name, (t, refs) in text.items()
-        }
-
-        train = self.splits["train"]
-        keep, counts = data.filter_by_length(train.src_ids, train.tgt_ids, args.max_len,
-                                             args.max_len_ratio)
-        self.log(f"training pairs: {counts['kept']} kept, {counts['too_long']} dropped as "
-                 f"longer than {args.max_len} tokens, {counts['bad_ratio']} dropped for a length "
-                 f"ratio over {args.max_len_ratio}")
-        if not keep:
-            raise data.DataError(f"no training pair is left after length filtering; raise "
-                                 f"--max-len ({args.max_len}) or --max-len-ratio "
-                                 f"({args.max_len_ratio})")
-        # Training pair j is (sentences[j], sentences[partner(j)]): j < n the pairs as given,
-        # n <= j < 2n the same pairs reversed (used by --bidirectional).
-        self.pairs = n = len(keep)
-        self.sentences = [train.src_ids[i] for i in keep] + [train.tgt_ids[i] for i in keep]
-        lengths = [len(s) for s in self.sentences]
-        self.bpe_dropout = None
-        if args.bpe_dropout > 0:
-            started = time.time()
-            self.bpe_dropout = data.BPEDropout(self.sp, self.sentences, args.bpe_dropout,
-                                               seed=args.seed)
-            # Batches are planned on the expected sampled lengths, so they hold about
-            # --max-tokens tokens whatever segmentation each sentence then gets.
-            expected = [math.ceil(m) for m in self.bpe_dropout.expected_lengths]
-            growth = sum(expected) / sum(lengths)
-            lengths = expected
-            self.log(f"BPE-dropout {args.bpe_dropout}: {self.bpe_dropout.samples} segmentations "
-                     f"of each of {len(self.bpe_dropout.segmentations)} words drawn in "
-                     f"{time.time() - started:.1f}s, {growth:.2f}x the tokens on average")
-
-        longest = max(lengths[j] + lengths[self.partner(j)] for j in range(n)) + 2  # with </s>
-        if args.max_tokens < longest:
-            raise data.DataError(f"--max-tokens {args.max_tokens} is less than the longest "
-                                 f"training pair, {longest} tokens (source + target, end marks "
-                                 f"included); raise --max-tokens or lower --max-len "
-                                 f"({args.max_len})")
-
-        def batches(pairs: int) -> data.TokenBatches:  # of the first `pairs` pairs
-            return data.TokenBatches(
-                [lengths[j] + 1 for j in range(pairs)],
-                [lengths[self.partner(j)] + 1 for j in range(pairs)],
-                args.max_tokens, seed=args.seed, rank=self.rank, world_size=self.world,
-            )
-
-        self.forward_batches = batches(n)
-        self.log(f"{len(self.forward_batches)} batches per epoch per rank, padding "
-                 f"{100 * self.forward_batches.padding_fraction():.1f}% of the batch tokens")
-        self.both_batches = None
-        if args.bidirectional:
-            self.both_batches = batches(2 * n)
-            self.log(f"bidirectional training (BiT) for the first {args.bidirectional} updates: "
-                     f"{2 * n} pairs in both directions, {len(self.both_batches)} batches per "
-                     "epoch per rank")
+        corpus = prepare_corpus(args, state["spm"] if state is not None else None, self.log)
+        self.spm_proto, self.sp, self.splits = corpus.spm_proto, corpus.sp, corpus.splits
+        self.source_truecaser = corpus.source_truecaser  # for translating
+        self.training_pairs = TrainingPairs(args, self.splits["train"], self.sp, self.rank,
+                                            self.world, self.log)
 
         torch.manual_seed(args.seed)
         if state is not None:  # a resumed run keeps its model, whatever the flags say now
             config = TransformerConfig(**state["config"])
         else:
-            config = model_config(args, self.sp.get_piece_size(), output_vocab_size)
+            config = model_config(args, self.sp.get_piece_size(), corpus.output_vocab_size)
         self.config = config
         self.model = Transformer(config).to(self.device)
         self.log(f"model: {self.model.num_parameters():,} parameters, {config}")
@@ -299,7 +218,8 @@ class Run:
         Both directions while the run is in --bidirectional's first updates, else source->target.
         """
         args = self.args
-        batches = self.forward_batches if self.step >= args.bidirectional else self.both_batches
+        pairs = self.training_pairs
+        batches = pairs.forward_batches if self.step >= args.bidirectional else pairs.both_batches
         epoch_batches = len(batches)
         stream = batches.iterate(self.epoch, self.epoch_step)
         while True:
@@ -307,28 +227,7 @@ class Run:
             self.epoch, self.epoch_step = group[-1][0], group[-1][1] + 1
             if self.epoch_step == epoch_batches:  # the update ended an epoch
                 self.epoch, self.epoch_step = self.epoch + 1, 0
-            yield [self.collate(epoch, i, b) for epoch, i, b in group]
-
-    def collate(self, epoch: int, step: int, indices: Sequence[int]) -> tuple[torch.Tensor, ...]:
-        """The batch at this data position, freshly sampled with BPE-dropout and word dropout."""
-        partners = [self.partner(j) for j in indices]
-        # Seeded by the position, so a resumed run samples what the uninterrupted one did.
-        rng = np.random.default_rng([self.args.seed, epoch, step, self.rank])
-        if self.bpe_dropout is None:
-            src = [self.sentences[j] for j in indices]
-            tgt = [self.sentences[j] for j in partners]
-        else:
-            src = self.bpe_dropout.sample(indices, rng)
-            tgt = self.bpe_dropout.sample(partners, rng)
-        source, inputs, targets = data.collate(src, tgt, range(len(indices)))
-        if self.args.word_dropout > 0:  # the targets stay: the model still predicts every word
-            source = data.drop_words(source, self.args.word_dropout, rng)
-            inputs = data.drop_words(inputs, self.args.word_dropout, rng)
-        return source, inputs, targets
-
-    def partner(self, j: int) -> int:
-        """The sentence that sentence j translates to."""
-        return (j + self.pairs) % (2 * self.pairs)
+            yield [pairs.collate(epoch, i, b) for epoch, i, b in group]
 
     def finished(self) -> bool:
         args = self.args
