@@ -102,7 +102,7 @@ def test_attention_memory(benchmark, impl, length):
     )
 
 
-# The CPU paths kernels/attention.py chooses among for a call that needs a gradient, forced:
+# The CPU paths fastattn/ops/attention.py chooses among for a call that needs a gradient, forced:
 # fastattn._C's kernel, the explicit (materialised) product, and PyTorch's fused kernel. Its
 # dispatch follows these numbers.
 CPU_LENGTHS = [16, 32] if QUICK else [16, 32, 64, 128, 256, 512]
