@@ -113,6 +113,8 @@ def _native_takes(device_type: str, *dtypes: torch.dtype | None,
             and all(d is None or d in allowed for d in dtypes))
 
 
+# Dtypes fastattn._C's attention and cross-entropy kernels read as they are (float32 inside).
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 # Dtypes the float32 fastattn._C kernels take after a conversion to float32: on CPU the
 # conversions cost less than the unfused PyTorch chain (serial dropout generator) they replace.
 UPCAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -159,15 +161,12 @@ def implementation(op: str, device: torch.device | str, dtype: torch.dtype,
         return "fastattn._C" if _native_takes(device_type, dtype, allowed=UPCAST_DTYPES) \
             else "torch"
     triton = _triton_on(device_type)
-    if triton is not None and dtype in TRITON_DTYPES:
-        return triton
     if triton is not None:
-        return "torch"
+        return triton if dtype in TRITON_DTYPES else "torch"
     if op == "attention":
-        native_dtypes = (torch.float32, torch.bfloat16)
         faster = requires_grad and (masked or dtype == torch.float32)
         return "fastattn._C" if faster and _native_takes(device_type, dtype,
-                                                         allowed=native_dtypes) else "torch"
+                                                         allowed=NATIVE_DTYPES) else "torch"
     if op == "layer_norm_residual":
         stream = (residual_dtype, *param_dtypes)
         mixed = dtype != torch.float32 or residual_dtype not in (None, dtype)
@@ -175,7 +174,6 @@ def implementation(op: str, device: torch.device | str, dtype: torch.dtype,
         return "fastattn._C" if native_reads_as_is(device_type, dtype, residual_dtype,
                                                    param_dtypes) or upcast else "torch"
     if op == "linear_cross_entropy":
-        native_dtypes = (torch.float32, torch.bfloat16)
         return "fastattn._C" if requires_grad and _native_takes(
-            device_type, dtype, allowed=native_dtypes) else "torch"
+            device_type, dtype, allowed=NATIVE_DTYPES) else "torch"
     return "torch"
