@@ -62,7 +62,7 @@ def worker(rank, world, rendezvous, out):
     dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=world)
     try:
         one_update(rank, out)
-        # DDP's reducer is freed by now, while the process group is registered (as train.py
+        # DDP's reducer is freed by now, while the process group is registered (as train.command
         # does): freed after it, its gloo destructor joins threads that wait for the GIL.
         gc.collect()
     finally:

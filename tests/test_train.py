@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, asdict, replace
 from types import SimpleNamespace
 
 import pytest
@@ -28,6 +28,7 @@ from fastattn.train import (
     pick_precision,
     train_step,
 )
+from fastattn.train.config import CONFIG_VERSION, TrainConfig, config_meta, saved_flags
 
 
 def test_learning_rate_schedule():
@@ -199,6 +200,19 @@ def test_bad_flags(argv, message, capsys):
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 
+
+
+def test_checkpoints_store_the_config_versioned_and_read_the_flags_of_older_ones():
+    config = parse_args(["--data", "files", "--train", "a.en", "a.de", "--valid", "b.en", "b.de",
+                         "--seed", "5", "--alpha", "0.6,1.0"])
+    stored = config_meta(config)
+    assert stored["version"] == CONFIG_VERSION == 2 and stored["train"] == ("a.en", "a.de")
+    assert saved_flags({"config": stored}) == asdict(config)
+    assert TrainConfig(**saved_flags({"config": stored})) == config
+    with pytest.raises(FrozenInstanceError):
+        config.seed = 6  # derived values make new configs (dataclasses.replace)
+    before_issue_48 = {"args": {"seed": 5, "train": ["a.en", "a.de"], "truecase": True}}
+    assert saved_flags(before_issue_48) == before_issue_48["args"]
 
 def test_plot_without_matplotlib_is_refused_before_training(monkeypatch, capsys):
     find_spec = importlib.util.find_spec

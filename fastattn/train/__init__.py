@@ -16,8 +16,8 @@ lr = lr_scale · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5).
 The modules, each depending only on those before it:
 - config: TrainConfig, the run's typed, frozen settings, as checkpoints store them, and what a
   resumed run may change;
-- flags: the command line (argparse), its checks, and the TrainConfig it makes;
 - precision: --precision, measured on a CPU;
+- flags: the command line (argparse), its checks, and the TrainConfig it makes;
 - step: the schedule, the loss module and one update (train_step);
 - corpus: the text and its vocabulary; pairs: the training pairs and their batches;
 - evaluation: decoding, BLEU and the dev loss;

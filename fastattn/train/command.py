@@ -34,7 +34,3 @@ def train_and_score(args: TrainConfig) -> None:
     # its gloo destructor would join worker threads that wait for the GIL it holds.
     del run
     gc.collect()
-
-
-if __name__ == "__main__":
-    main()

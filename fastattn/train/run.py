@@ -104,8 +104,7 @@ class Run:
         if state is not None:
             for note in resume_notes(args, state, resume[0]):
                 self.log(note)
-        # A resumed run keeps the text processing its vocabulary was built for.
-        if state is not None:
+            # A resumed run keeps the text processing its vocabulary was built for.
             truecase = saved_flags(state["meta"]).get("truecase", False)
             args = self.args = replace(args, truecase=truecase)
         corpus = prepare_corpus(args, state["spm"] if state is not None else None, self.log)
@@ -129,7 +128,7 @@ class Run:
                      "output vocabulary (the dev loss counts them as <unk>)")
         # fused: one kernel over all parameters, not a loop of small ops per tensor
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0,
-                                          betas=tuple(args.adam_betas), eps=args.adam_eps,
+                                          betas=args.adam_betas, eps=args.adam_eps,
                                           fused=True)
         self.step, self.epoch, self.epoch_step, self.bad_steps = 0, 0, 0, 0
         if state is not None:
