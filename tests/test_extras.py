@@ -50,7 +50,7 @@ def without_mt(tmp_path_factory):
     return run
 
 
-def test_ops_modules_and_model_import_without_mt(without_mt):
+def test_ops_modules_and_model_import_without_mt_and_the_rest_names_it(without_mt):
     code = f"""
 import sys, torch, fastattn, fastattn.ops
 from fastattn import MultiHeadAttention, Transformer, TransformerConfig
@@ -63,22 +63,21 @@ try:
     import sentencepiece
 except ImportError:
     print("blocked")
+# A library import of a module needing the extra names it (one subprocess: torch loads slowly).
+try:
+    import fastattn.data
+except ImportError as e:
+    print(type(e).__name__, isinstance(e, ImportError), e)
 """
     result = without_mt("-c", code)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines() == ["[]", "blocked"], result.stdout
+    assert result.stdout.splitlines() == [
+        "[]", "blocked",
+        "MissingExtraError True " + missing_message("fastattn.data", ["sentencepiece"])]
+    assert "pip install 'fastattn[mt]'" in result.stdout
 
 
-def test_library_import_names_the_extra(without_mt):
-    result = without_mt("-c", "import fastattn.data")
-    assert result.returncode != 0
-    assert result.stderr.strip().splitlines()[-1] == (
-        "fastattn._extras.MissingExtraError: " + missing_message("fastattn.data",
-                                                                 ["sentencepiece"]))
-    assert "pip install 'fastattn[mt]'" in result.stderr
-
-
-@pytest.mark.parametrize("command", ["translate", "evaluate"])
+@pytest.mark.parametrize("command", ["translate"])
 def test_command_says_what_to_install_in_one_line(without_mt, command):
     result = without_mt("-m", f"fastattn.{command}", "--help")
     assert result.returncode == 1
