@@ -3,6 +3,7 @@
 // step chains the post-norm layers with packed_linear.h's linear maps and these loops, in one call.
 #include "decode_attention.h"
 
+#include "decoder_layout.h"
 #include "packed_linear.h"
 #include "vector_math.h"
 
@@ -326,7 +327,7 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
                             const std::optional<at::Tensor> &memory_bias,
                             const std::optional<at::Tensor> &sentences, at::TensorList packed,
                             double eps) {
-  constexpr int64_t kPerLayer = 18, kLinearsPerLayer = 6;
+  constexpr int64_t kLinearsPerLayer = 6;
   TORCH_CHECK(self_k.dim() == 5 && self_v.dim() == 5 &&
                   self_v.sizes().slice(0, 4) == self_k.sizes().slice(0, 4),
               "decoder_step: self_k and self_v must be (layers, rows, H, capacity, D), got ",
@@ -337,12 +338,12 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
               "decoder_step: x must be (N, d) with N <= the caches' ", self_k.size(1),
               " rows, got ", x.sizes());
   const int64_t N = x.size(0);
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == kPerLayer * layers &&
+  TORCH_CHECK(static_cast<int64_t>(params.size()) == kDecoderLayerSlots * layers &&
                   static_cast<int64_t>(memory_k.size()) == layers &&
                   static_cast<int64_t>(memory_v.size()) == layers,
-              "decoder_step: need ", kPerLayer, " parameters and one memory_k, memory_v per "
-              "layer for ", layers, " layers, got ", params.size(), ", ", memory_k.size(), ", ",
-              memory_v.size());
+              "decoder_step: need ", kDecoderLayerSlots,
+              " parameters and one memory_k, memory_v per layer for ", layers, " layers, got ",
+              params.size(), ", ", memory_k.size(), ", ", memory_v.size());
   TORCH_CHECK(packed.empty() || static_cast<int64_t>(packed.size()) == kLinearsPerLayer * layers,
               "decoder_step: packed must be empty or hold ", kLinearsPerLayer,
               " packed weights per layer, got ", packed.size());
@@ -381,11 +382,13 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
 
   at::Tensor y = x.contiguous().clone();
   for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor *p = &params[kPerLayer * l];
+    const at::Tensor *p = &params[kDecoderLayerSlots * l];
     // The layer's i-th linear map: 0 qkv, 1 self-attention out, 2 cross q, 3 cross out, 4 W1,
-    // 5 W2 (weight p[kWeight[i]], bias the tensor after it).
+    // 5 W2 (weight p[kWeight[i]], bias the slot after it), the order of `packed`'s panels.
     const auto linear = [&](const at::Tensor &in, int64_t i) {
-      constexpr int64_t kWeight[kLinearsPerLayer] = {0, 2, 6, 8, 12, 14};
+      constexpr int64_t kWeight[kLinearsPerLayer] = {
+          kSelfQkvWeight,  kSelfOutWeight,       kCrossQWeight,
+          kCrossOutWeight, kFeedForwardW1Weight, kFeedForwardW2Weight};
       std::optional<at::Tensor> panels;
       if (!packed.empty()) panels = packed[kLinearsPerLayer * l + i];
       return linear_cpu(in, p[kWeight[i]], panels, p[kWeight[i] + 1]);
@@ -400,17 +403,18 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
     auto a = at::empty({N, H * Dv}, y.options());
     attend(qkv.narrow(1, 0, H * Dk).view({N, H, 1, Dk}), self_k[l], self_v[l], nullptr, scale,
            &rows, a.view({N, H, 1, Dv}));
-    add_layer_norm_(y, linear(a, 1), p[4], p[5], eps);
+    add_layer_norm_(y, linear(a, 1), p[kSelfNormWeight], p[kSelfNormBias], eps);
     // Attention over the encoder output: rows grouped by sentence are that sentence's queries.
     const auto cq = linear(y, 2);
     auto c = at::empty({N, H * Dv}, y.options());
     attend(cq.view({N / group, group, H, Dk}).transpose(1, 2), memory_k[l], memory_v[l], bias,
            scale, memory_rows ? &*memory_rows : nullptr,
            c.view({N / group, group, H, Dv}).transpose(1, 2));
-    add_layer_norm_(y, linear(c, 3), p[10], p[11], eps);
+    add_layer_norm_(y, linear(c, 3), p[kCrossNormWeight], p[kCrossNormBias], eps);
     // Feed-forward network.
     auto hidden = linear(y, 4);
-    add_layer_norm_(y, linear(hidden.relu_(), 5), p[16], p[17], eps);
+    add_layer_norm_(y, linear(hidden.relu_(), 5), p[kFeedForwardNormWeight],
+                    p[kFeedForwardNormBias], eps);
   }
   return y;
 }

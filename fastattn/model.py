@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastattn import ops
-from fastattn._native import native
+from fastattn import decoding, ops
+from fastattn.decoding import DecodingState
 from fastattn.modules import ResidualLayerNorm
 from fastattn.rdrop import linear_rdrop_loss
 from fastattn.search import BeamSearchSetup, Hypothesis, LengthPenalty, beam_search
 
+# DecodingState lives in fastattn.decoding; it stays importable from here.
 __all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
 
 
@@ -201,33 +202,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     return ops.attention(q, k, v, scale=d_k**-0.5, **kwargs)[..., :d_v]
 
 
-def _has_native_cpu_op(name: str) -> bool:
-    return native is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        f"fastattn::{name}", "CPU")
-
-
-_NATIVE_STEP_ATTENTION = _has_native_cpu_op("decode_attention")
-_NATIVE_DECODER_STEP = _has_native_cpu_op("decoder_step")
-_NATIVE_BEAM_SEARCH = _has_native_cpu_op("transformer_beam_search")
-
-
-def step_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:
-    """Attention (eq. 1) for a decoding step: q (G, h, R, d_k), the R query rows of group g over
-    its keys k (G, h, L, d_k) and values v (G, h, L, d_v), bias (G, 1, 1, L) additive (0 or -inf)
-    or None. Its scores are a handful of rows, where the fused training op's checks and dispatch
-    cost more than the arithmetic: on CPU it is one call into fastattn._C (float32, float64),
-    elsewhere the explicit product."""
-    scale = q.shape[-1] ** -0.5
-    if _NATIVE_STEP_ATTENTION and q.device.type == "cpu" and q.dtype in (torch.float32,
-                                                                         torch.float64):
-        flat_bias = None if bias is None else bias.view(bias.shape[0], -1)
-        return torch.ops.fastattn.decode_attention(q, k, v, flat_bias, scale)
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))
-    if bias is not None:
-        scores = scores + bias
-    return torch.matmul(scores.softmax(dim=-1), v)
-
-
 def attention_probabilities(q: Tensor, k: Tensor, mask: Tensor | None = None,
                             causal: bool = False) -> Tensor:
     """The weights softmax(Q K^T / √d_k) of eq. 1, (B, h, Lq, Lk), for inspection and plots."""
@@ -272,8 +246,8 @@ class SelfAttention(nn.Module):
         cache_k[:n, :, t] = k.view(n, self.heads, -1)
         cache_v[:n, :, t] = v.view(n, self.heads, -1)
         q = q.view(n, self.heads, 1, -1)
-        out = step_attention(q, _gather_prefixes(cache_k, history),
-                             _gather_prefixes(cache_v, history))
+        out = decoding.step_attention(q, decoding.gather_prefixes(cache_k, history),
+                                      decoding.gather_prefixes(cache_v, history))
         return F.linear(out.view(n, -1), self.out.weight, self.out.bias)
 
 
@@ -320,7 +294,7 @@ class CrossAttention(nn.Module):
             q = q.view(n, self.heads, 1, -1)
             k, v = k[sentences], v[sentences]
             bias = None if bias is None else bias[sentences]
-        out = step_attention(q, k, v, bias)
+        out = decoding.step_attention(q, k, v, bias)
         return F.linear(out.transpose(1, 2).reshape(n, -1), self.out.weight, self.out.bias)
 
 
@@ -440,7 +414,8 @@ class Transformer(nn.Module):
         self.embedding = Embedding(cfg)
         self.encoder = Stack(cfg, EncoderLayer, cfg.encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.decoder_layers)
-        # _native_decoder_weights' cache and the parameter versions it was built from.
+        # fastattn.decoding.native_decoder_weights' cache and the parameter versions it was
+        # built from.
         self._decoder_weights: tuple[list[Tensor], list[Tensor], Tensor | None] | None = None
         self._decoder_weights_key: tuple | None = None
         for name, p in self.named_parameters():
@@ -545,64 +520,29 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def start_decoding(self, src: Tensor, capacity: int | None = None) -> DecodingState:
-        """Encodes src (B, S) once and returns the state for decode_step.
-
-        The encoder keys and values of every decoder layer are computed here, once per sentence
-        (not per beam). The rows decode_step sees (N of them, any multiple of B on the first
-        call, e.g. B·beam) map to sentences: row i of the first call belongs to sentence
-        i // (N / B). ``state.reorder(rows)`` (rows (N',) LongTensor: new row j continues old
-        row rows[j]) reorders, duplicates or drops rows: the self-attention caches follow, and
-        sentences no row refers to any more are dropped from the encoder memory. This is the
-        step_fn of fastattn.beam_search::
-
-            state = model.start_decoding(src)
-            def step_fn(tokens, reorder):  # tokens (N, t), BOS first
-                if reorder is not None:
-                    state.reorder(reorder)
-                return model.decode_step(tokens[:, -1], state)
-
+        """Encodes src (B, S) once and returns the state for decode_step (fastattn.decoding's
+        DecodingState says how its rows map to sentences and reorder). The encoder keys and
+        values of every decoder layer are computed here, once per sentence (not per beam).
         `capacity` is the number of positions preallocated per row (default S + 50, the paper's
         maximum output length); the caches grow when a longer output needs it. Decoding is
-        inference: no dropout, no gradients.
-        """
+        inference: no dropout, no gradients."""
         if self.training:
             raise RuntimeError("decoding is inference: call model.eval() first")
         memory, mask = self.encode(src)
         # Views into each layer's (B, S, 2·h·d) projection: the attention reads any strides.
         memory_kv = [layer.cross_attention.memory_kv(memory) for layer in self.decoder.layers]
-        return DecodingState(
-            memory_k=[k for k, _ in memory_kv],
-            memory_v=[v for _, v in memory_kv],
-            memory_mask=mask,
-            capacity=capacity or src.shape[1] + 50,
-        )
+        return DecodingState(memory_k=[k for k, _ in memory_kv], memory_v=[v for _, v in memory_kv],
+                             memory_mask=mask, capacity=capacity or src.shape[1] + 50)
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, state: DecodingState) -> Tensor:
         """tokens (N,): the newest token of every row (BOS on the first call), at position
         state.length -> log-probabilities (N, cfg.output_size) of the next token. Costs O(length):
         earlier positions are read from the caches, not recomputed."""
-        if state.self_k is None:
-            state.allocate(tokens.shape[0], self.cfg, self.embedding.weight)
-        elif tokens.shape[0] != state.history.shape[0]:
-            raise ValueError(f"decode_step got {tokens.shape[0]} tokens for "
-                             f"{state.history.shape[0]} rows; call state.reorder(rows) first")
-        state.ensure_capacity(state.length + 1)
-        state.history[:, state.length] = torch.arange(tokens.shape[0], device=tokens.device)
+        state.start_position(tokens.shape[0], self.cfg, self.embedding.weight)
         x = self.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
-        if self._native_decoder_step(x):
-            # The whole stack in one call: a few-row step is dominated by per-op overhead.
-            if state.native_weights is None:  # once per decoding: weights do not change within
-                state.native_weights = self._native_decoder_weights()
-            params, panels, output_panels = state.native_weights
-            x = torch.ops.fastattn.decoder_step(
-                x, params, state.self_k, state.self_v, state.history, state.length,
-                state.memory_k, state.memory_v,
-                None if state.memory_bias is None else state.memory_bias.flatten(1),
-                state.sentences, panels, self.decoder.layers[0].feed_forward_norm.norm.eps)
-            state.length += 1
-            return torch.ops.fastattn.log_softmax_linear(x, self.output_weight.detach(),
-                                                         output_panels).float()
+        if decoding.native_decoder_supports(self, x) is None:
+            return decoding.native_decode_step(self, x, state)
         for i, layer in enumerate(self.decoder.layers):
             x = layer.step(x, state, i)
         if self.decoder.final_norm is not None:
@@ -618,182 +558,31 @@ class Transformer(nn.Module):
         """fastattn.beam_search of src (B, S) over the cached decoder: each sentence's nbest
         hypotheses, best first. On CPU with fastattn._C the whole search is one native call
         (fastattn::transformer_beam_search), else beam_search over decode_step; both give the
-        same tokens and scores. The native search keeps its largest buffers (caches and logits,
-        about 20 MB for 64 sentences of the multi30k model; sets over 256 MB are freed) for the
-        next call on the same thread: allocating them afresh cost a tenth of a batch-64 search
-        in page faults."""
+        same tokens and scores (fastattn.decoding.native_decoder_supports decides)."""
         setup = BeamSearchSetup.create(src.shape[0], beam_size, nbest, max_len, alpha,
                                        length_penalty, src.device)
         if src.shape[0] == 0:
             return []
-        capacity = int(setup.limits.max())
-        state = self.start_decoding(src, capacity=capacity)
-        if not (_NATIVE_BEAM_SEARCH and self._native_decoder_step(state.memory_k[0])):
-            def step_fn(tokens: Tensor, reorder: Tensor | None) -> Tensor:
-                if reorder is not None:
-                    state.reorder(reorder)
-                return self.decode_step(tokens[:, -1], state)
+        state = self.start_decoding(src, capacity=int(setup.limits.max()))
+        native = decoding.native_decoder_supports(self, state.memory_k[0]) is None
+        if native and decoding.NATIVE_BEAM_SEARCH:
+            decoding.native_beam_search(self, state, setup, bos_id, eos_id, nbest)
+            return setup.best(nbest)
 
-            return beam_search(step_fn, src.shape[0], beam_size=beam_size, bos_id=bos_id,
-                               eos_id=eos_id, max_len=setup.limits, alpha=alpha,
-                               length_penalty=length_penalty, nbest=nbest)
-        params, panels, output_panels = self._native_decoder_weights()
-        torch.ops.fastattn.transformer_beam_search(
-            self.embedding.weight.detach(), self.output_weight.detach(),
-            self.embedding.positions(0, capacity),
-            self.embedding.scale, params, panels, output_panels,
-            self.decoder.layers[0].feed_forward_norm.norm.eps, state.memory_k, state.memory_v,
-            None if state.memory_bias is None else state.memory_bias.flatten(1), bos_id,
-            setup.limits, setup.penalty, *setup.finished, eos_id, nbest)
-        return setup.best(nbest)
+        def step_fn(tokens: Tensor, reorder: Tensor | None) -> Tensor:
+            if reorder is not None:
+                state.reorder(reorder)
+            return self.decode_step(tokens[:, -1], state)
+
+        return beam_search(step_fn, src.shape[0], beam_size=beam_size, bos_id=bos_id,
+                           eos_id=eos_id, max_len=setup.limits, alpha=alpha,
+                           length_penalty=length_penalty, nbest=nbest)
 
     def train(self, mode: bool = True) -> Transformer:
         # Fused Adam writes the weights without bumping their version counters, so the packed
         # copies cannot tell; a switch of mode (training <-> evaluation) rebuilds them.
         self._decoder_weights = self._decoder_weights_key = None
         return super().train(mode)
-
-    def _native_decoder_step(self, x: Tensor) -> bool:
-        return (_NATIVE_DECODER_STEP and not self.cfg.pre_norm and x.device.type == "cpu"
-                and x.dtype in (torch.float32, torch.float64))
-
-    def _native_decoder_weights(self) -> tuple[list[Tensor], list[Tensor], Tensor | None]:
-        """For fastattn::decoder_step: the decoder's weights in its order (18 per layer), and
-        for float32 the panels of its 6 linear maps per layer and of the output projection
-        (fastattn::pack_linear_weight, the few-row layout). Built once and again only after a
-        weight changed: in-place updates bump a tensor's _version, and train() drops the copies
-        for the updates that do not (fused optimisers)."""
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
-        if self._decoder_weights_key != key:
-            linears = [(layer.self_attention.qkv, layer.self_attention.out,
-                        layer.cross_attention.q, layer.cross_attention.out,
-                        layer.feed_forward.w1, layer.feed_forward.w2)
-                       for layer in self.decoder.layers]
-            params = [p.detach() for layer, maps in zip(self.decoder.layers, linears, strict=True)
-                      for module in (*maps[:2], layer.self_attention_norm.norm, *maps[2:4],
-                                     layer.cross_attention_norm.norm, *maps[4:],
-                                     layer.feed_forward_norm.norm)
-                      for p in (module.weight, module.bias)]
-            panels, output_panels = [], None
-            if self.embedding.weight.dtype == torch.float32:
-                pack = torch.ops.fastattn.pack_linear_weight
-                panels = [pack(m.weight.detach()) for maps in linears for m in maps]
-                output_panels = pack(self.output_weight.detach())
-            self._decoder_weights = params, panels, output_panels
-            self._decoder_weights_key = key
-        return self._decoder_weights
-
-
-class DecodingState:
-    """What decode_step keeps between positions: per decoder layer the encoder keys and values
-    (B, h, S, d) of each live sentence, their padding as an additive bias (B, 1, 1, S) (None
-    without padding), and the self-attention caches self_k (layers, rows, h, capacity, d_k) and
-    self_v. Cache rows never move: step t writes row n's key and value into cache row n at
-    position t, and history (N, capacity) records for each row n and position j <= t the cache
-    row history[n, j] that holds it, so that beam search's reordering copies N·t indices instead
-    of the caches.
-    `sentences` is None while the rows are grouped by sentence in memory order, r rows each
-    (N = B·r, beam search's layout); otherwise the (N,) sentence of every row."""
-
-    def __init__(self, memory_k: list[Tensor], memory_v: list[Tensor], memory_mask: Tensor,
-                 capacity: int) -> None:
-        self.memory_k, self.memory_v = memory_k, memory_v
-        self.memory_bias = _padding_bias(memory_mask, memory_k[0].dtype if memory_k else None)
-        self.capacity = capacity
-        self.self_k: Tensor | None = None
-        self.self_v: Tensor | None = None
-        self.history: Tensor | None = None
-        self.sentences: Tensor | None = None
-        self.length = 0
-        self.native_weights: tuple[list[Tensor], list[Tensor], Tensor | None] | None = None
-
-    @property
-    def num_sentences(self) -> int:
-        return self.memory_k[0].shape[0]
-
-    def allocate(self, rows: int, cfg: TransformerConfig, like: Tensor) -> None:
-        """Creates the caches for the first call: `rows` rows split evenly over the sentences."""
-        if rows % self.num_sentences:
-            raise ValueError(f"the first decode_step needs a multiple of the {self.num_sentences} "
-                             f"sentences as rows, got {rows}")
-        dtype = self.memory_k[0].dtype if self.memory_k else like.dtype
-        shape = (cfg.decoder_layers, rows, cfg.heads, self.capacity)
-        self.self_k = like.new_empty((*shape, cfg.key_dim), dtype=dtype)
-        self.self_v = like.new_empty((*shape, cfg.value_dim), dtype=dtype)
-        self.history = torch.empty(rows, self.capacity, dtype=torch.long, device=like.device)
-
-    def ensure_capacity(self, length: int) -> None:
-        if length <= self.capacity:
-            return
-        self.capacity = max(length, 2 * self.capacity)
-        self.self_k, self.self_v = (_resized(c, self.capacity, self.length)
-                                    for c in (self.self_k, self.self_v))
-        history = self.history.new_empty((self.history.shape[0], self.capacity))
-        history[:, : self.length] = self.history[:, : self.length]
-        self.history = history
-
-    @torch.inference_mode()
-    def reorder(self, rows: Tensor) -> None:
-        """rows (N',) LongTensor: new row j continues the current row rows[j]. Copies the
-        history of cache rows, not the caches; drops the encoder memory of sentences left
-        without rows."""
-        if self.self_k is None:
-            raise RuntimeError("reorder before the first decode_step: there are no rows yet")
-        rows = rows.to(self.history.device)
-        if len(rows) > self.self_k.shape[1]:  # more rows than cache rows: add some
-            self.self_k, self.self_v = (_with_rows(c, len(rows), self.length)
-                                        for c in (self.self_k, self.self_v))
-        sentences = self._sentence_of_rows().index_select(0, rows)  # checks rows' range too
-        history = self.history.new_empty((len(rows), self.capacity))
-        torch.index_select(self.history[:, : self.length], 0, rows,
-                           out=history[:, : self.length])
-        self.history = history
-        if self.num_sentences == 1 and len(rows) > 0:  # batch 1: every row reads sentence 0
-            return
-        live, sentences = torch.unique(sentences, return_inverse=True)
-        if len(live) < self.num_sentences:  # finished sentences leave the batch
-            self.memory_k = [k.index_select(0, live) for k in self.memory_k]
-            self.memory_v = [v.index_select(0, live) for v in self.memory_v]
-            if self.memory_bias is not None:
-                self.memory_bias = self.memory_bias.index_select(0, live)
-        per_sentence = len(rows) // len(live)
-        grouped = torch.arange(len(live), device=rows.device).repeat_interleave(per_sentence)
-        is_grouped = len(grouped) == len(rows) and torch.equal(grouped, sentences)
-        self.sentences = None if is_grouped else sentences
-
-    def _sentence_of_rows(self) -> Tensor:
-        if self.sentences is not None:
-            return self.sentences
-        per_sentence = self.history.shape[0] // self.num_sentences
-        device = self.memory_k[0].device
-        return torch.arange(self.num_sentences, device=device).repeat_interleave(per_sentence)
-
-
-def _padding_bias(mask: Tensor, dtype: torch.dtype | None) -> Tensor | None:
-    """A bool padding mask (True = attend) as 0 / -inf to add to the scores; None without
-    padding, so that attention skips masking altogether."""
-    if bool(mask.all()):
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -math.inf)
-
-
-def _gather_prefixes(cache: Tensor, history: Tensor) -> Tensor:
-    """cache (rows, h, capacity, d), history (N, t) -> (N, h, t, d): row n's positions j < t,
-    read from cache rows history[n, j]."""
-    positions = torch.arange(history.shape[1], device=history.device)
-    return cache[history, :, positions].transpose(1, 2)
-
-
-def _with_rows(cache: Tensor, rows: int, length: int) -> Tensor:
-    out = cache.new_empty((cache.shape[0], rows, *cache.shape[2:]))
-    out[:, : cache.shape[1], :, :length] = cache[:, :, :, :length]
-    return out
-
-
-def _resized(cache: Tensor, capacity: int, length: int) -> Tensor:
-    out = cache.new_empty((*cache.shape[:3], capacity, cache.shape[4]))
-    out[:, :, :, :length] = cache[:, :, :, :length]
-    return out
 
 
 def _check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:

@@ -4,14 +4,23 @@ either path, and decoder_step's argument checks (its results are tested against 
 in test_model's cached-decoding tests)."""
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-import fastattn  # noqa: F401  (loads fastattn._C, which registers the op)
-from fastattn.model import _NATIVE_STEP_ATTENTION, Transformer, step_attention
+import fastattn.decoding  # loads fastattn._C, which registers the ops
+from fastattn.decoding import (
+    DECODER_LAYER_SLOTS,
+    NATIVE_STEP_ATTENTION,
+    native_decoder_supports,
+    native_decoder_weights,
+    step_attention,
+)
+from fastattn.model import Transformer
 
-pytestmark = pytest.mark.skipif(not _NATIVE_STEP_ATTENTION, reason="fastattn._C is not built")
+pytestmark = pytest.mark.skipif(not NATIVE_STEP_ATTENTION, reason="fastattn._C is not built")
 
 
 def reference(q, k, v, bias, scale):
@@ -126,12 +135,12 @@ def test_decoder_step_bad_input_errors():
     model = Transformer.from_preset("tiny", vocab_size=30).eval()
     state = model.start_decoding(torch.randint(3, 30, (2, 5)))
     model.decode_step(torch.ones(2, dtype=torch.long), state)
-    params, panels, _ = model._native_decoder_weights()
+    params, panels, _ = native_decoder_weights(model)
     x = torch.randn(2, model.cfg.d_model)
     history = state.history.clone()
     args = (state.self_k, state.self_v, history, 1, state.memory_k, state.memory_v, None, None,
             panels, 1e-5)
-    with pytest.raises(RuntimeError, match="need 18 parameters"):
+    with pytest.raises(RuntimeError, match=f"need {len(DECODER_LAYER_SLOTS)} parameters"):
         torch.ops.fastattn.decoder_step(x, params[:-1], *args)
     history[0, 0] = 7
     with pytest.raises(RuntimeError, match="history holds rows outside"):
@@ -200,3 +209,53 @@ def test_log_softmax_linear_propagates_nan_and_keeps_other_dtypes():
     out = torch.ops.fastattn.log_softmax_linear(x[:3].double(), weight.double(), None)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+def test_decoder_layer_slots_match_the_native_layout():
+    """fastattn.decoding.DECODER_LAYER_SLOTS names csrc/decoder_layout.h's DecoderLayerSlot
+    enum: the same slots, in the same order, as many; and each names a decoder layer's tensor."""
+    header = (Path(__file__).parents[1] / "csrc" / "decoder_layout.h").read_text()
+    body = re.search(r"enum DecoderLayerSlot[^{]*\{(.*?)\};", header, re.S).group(1)
+    enumerators = re.findall(r"^\s*(k\w+),", body, re.M)
+    assert enumerators[-1] == "kDecoderLayerSlots"  # the count, last
+
+    def camel(slot: str) -> str:  # "self_attention.qkv.weight" -> "kSelfQkvWeight"
+        words = slot.replace("_attention", "").replace(".norm.", ".").replace("feed_forward",
+                                                                               "feedForward")
+        return "k" + "".join(w[0].upper() + w[1:] for w in re.split(r"[._]", words))
+
+    assert [camel(slot) for slot in DECODER_LAYER_SLOTS] == enumerators[:-1]
+    layer = dict(Transformer.from_preset("tiny").decoder.layers[0].named_parameters())
+    # All but the encoder-memory projection, which start_decoding applies once.
+    assert set(layer) - set(DECODER_LAYER_SLOTS) == {"cross_attention.kv.weight",
+                                                     "cross_attention.kv.bias"}
+
+
+@pytest.mark.parametrize("case", ["pre_norm", "bfloat16"])
+def test_models_the_native_decoder_does_not_cover_decode_in_python(case, monkeypatch):
+    """A pre-norm model or a dtype other than float32/64: native_decoder_supports gives the
+    reason, and decode_step and beam_search return exactly what the Python path returns."""
+    model = Transformer.from_preset("tiny", vocab_size=30, pre_norm=case == "pre_norm").eval()
+    if case == "bfloat16":
+        model = model.to(torch.bfloat16)
+    src = torch.randint(3, 30, (2, 5), generator=torch.Generator().manual_seed(0))
+    assert native_decoder_supports(model, model.embedding.weight) is not None
+
+    def decode():
+        state = model.start_decoding(src)
+        steps = [model.decode_step(torch.full((2,), t), state) for t in (1, 5, 7)]
+        hyps = model.beam_search(src, beam_size=2, bos_id=1, eos_id=2, max_len=6)
+        return steps, [[(h.tokens, h.score) for h in hs] for hs in hyps]
+
+    chosen = decode()
+    monkeypatch.setattr(fastattn.decoding, "NATIVE_DECODER_STEP", False)
+    monkeypatch.setattr(fastattn.decoding, "NATIVE_BEAM_SEARCH", False)
+    python = decode()
+    assert all(torch.equal(a, b) for a, b in zip(chosen[0], python[0], strict=True))
+    assert chosen[1] == python[1]
+
+
+def test_the_paper_model_on_cpu_decodes_natively():
+    model = Transformer.from_preset("tiny", vocab_size=30).eval()
+    assert native_decoder_supports(model, model.embedding.weight) is None
+    assert native_decoder_supports(model, model.embedding.weight.double()) is None

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-import fastattn.model
+import fastattn.decoding
 from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
 
 V, PAD = 23, 0
@@ -51,9 +51,9 @@ def pad_after(x, lengths):
 def decoder_path(request, monkeypatch):
     """Cached decoding through fastattn._C's decoder_step (CPU, float32/64, post-norm) and
     through the per-layer PyTorch steps."""
-    if request.param == "native" and not fastattn.model._NATIVE_DECODER_STEP:
+    if request.param == "native" and not fastattn.decoding.NATIVE_DECODER_STEP:
         pytest.skip("fastattn._C is not built: no native decoder step")
-    monkeypatch.setattr(fastattn.model, "_NATIVE_DECODER_STEP", request.param == "native")
+    monkeypatch.setattr(fastattn.decoding, "NATIVE_DECODER_STEP", request.param == "native")
     return request.param
 
 
@@ -206,7 +206,7 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
     the tokens and scores, bit for bit, of fastattn.beam_search over decode_step: sentences of
     different lengths finish at different steps and leave the batch. With an output vocabulary
     smaller than the input's, both predict from its pieces only."""
-    if not fastattn.model._NATIVE_BEAM_SEARCH:
+    if not fastattn.decoding.NATIVE_BEAM_SEARCH:
         pytest.skip("fastattn._C is not built: no native beam search")
     cfg = replace(TINY, vocab_size=97, output_vocab_size=output_vocab_size)
     model = make_model(cfg).to(dtype)
@@ -215,7 +215,7 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
     options = dict(beam_size=beam, nbest=nbest, bos_id=1, eos_id=2, max_len=max_len, alpha=0.8,
                    length_penalty=penalty)
     native = model.beam_search(src, **options)
-    monkeypatch.setattr(fastattn.model, "_NATIVE_BEAM_SEARCH", False)
+    monkeypatch.setattr(fastattn.decoding, "NATIVE_BEAM_SEARCH", False)
     stepwise = model.beam_search(src, **options)
     assert [[(h.tokens, h.score) for h in hyps] for hyps in native] == \
         [[(h.tokens, h.score) for h in hyps] for hyps in stepwise]
@@ -227,7 +227,7 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
 def test_native_beam_search_does_not_depend_on_earlier_searches():
     """The native search keeps its buffers from call to call (per thread): a search after
     larger ones, longer ones and float64 ones returns what it returned the first time."""
-    if not fastattn.model._NATIVE_BEAM_SEARCH:
+    if not fastattn.decoding.NATIVE_BEAM_SEARCH:
         pytest.skip("fastattn._C is not built: no native beam search")
     model = make_model(replace(TINY, vocab_size=97))
     small, large = pad_after(tokens(2, 5), [5, 3]), pad_after(tokens(7, 11, seed=3), [11] * 7)
@@ -247,7 +247,7 @@ def test_decode_step_does_not_rerun_the_prefix(monkeypatch):
     """The matrix products of a step (projections, feed-forward, output) do not grow with the
     length: earlier positions come from the cache. (Attention itself reads O(length) keys.) On
     the PyTorch path, whose every matmul the counter sees."""
-    monkeypatch.setattr(fastattn.model, "_NATIVE_DECODER_STEP", False)
+    monkeypatch.setattr(fastattn.decoding, "NATIVE_DECODER_STEP", False)
     model = make_model()
     state = model.start_decoding(tokens(2, 5))
     flops = []
