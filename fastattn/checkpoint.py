@@ -25,6 +25,10 @@ from typing import Any
 
 import torch
 
+from fastattn.data import load_sentencepiece
+from fastattn.ensemble import Ensemble
+from fastattn.model import Transformer, TransformerConfig
+
 MAGIC = b"fastattn-checkpoint"
 NAME = re.compile(r"checkpoint_(\d+)\.pt$")
 
@@ -157,10 +161,6 @@ def ensemble_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:
 def load_model(path: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode, SentencePiece processor, meta) from a checkpoint: a Transformer, or
     for an ensemble checkpoint a fastattn.Ensemble."""
-    from fastattn.data import load_sentencepiece
-    from fastattn.ensemble import Ensemble
-    from fastattn.model import Transformer, TransformerConfig
-
     state = load_checkpoint(path)
     config = state["config"]
     if isinstance(config, list):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from fastattn.checkpoint import CheckpointError, load_model
 from fastattn.cli import HelpFormatter
 from fastattn.model import Transformer
 
@@ -105,8 +106,6 @@ def convert(model: Transformer, sp, output_dir: str | Path, force: bool = False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    from fastattn.checkpoint import CheckpointError, load_model
-
     parser = argparse.ArgumentParser(prog="python -m fastattn.ctranslate2_convert",
                                      description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)

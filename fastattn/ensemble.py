@@ -12,15 +12,14 @@ default recipe gain about 0.6 BLEU over one, and three about 1 (README).
 
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from fastattn.model import DecodingState, Transformer
+from fastattn.decoding import DecodingState
+from fastattn.model import Transformer
 from fastattn.search import Hypothesis, LengthPenalty, beam_search
 
 
@@ -85,27 +84,9 @@ class Ensemble(torch.nn.Module):
         return beam_search(step_fn, src.shape[0], max_len=limits, **options)
 
 
-def main(argv: list[str] | None = None) -> None:
-    from fastattn.checkpoint import CheckpointError, ensemble_checkpoints, save_checkpoint
-    from fastattn.cli import HelpFormatter
+if __name__ == "__main__":  # python -m fastattn.ensemble: the command reads and writes
+    # checkpoints, and fastattn.checkpoint imports this module to load ensembles, so the
+    # command lives in a module of its own.
+    from fastattn.ensemble_command import main
 
-    parser = argparse.ArgumentParser(
-        prog="python -m fastattn.ensemble", formatter_class=HelpFormatter,
-        description="Write one checkpoint holding several models (for example the final models "
-        "of runs with different --seed) that python -m fastattn.translate then decodes as an "
-        "ensemble: the mean of their next-token distributions. The models must share one "
-        "SentencePiece model and truecaser, as runs on the same training text do.",
-    )
-    parser.add_argument("--inputs", nargs="+", required=True, help="checkpoints of the members")
-    parser.add_argument("--output", required=True, help="where to write the ensemble")
-    args = parser.parse_args(argv)
-    try:
-        save_checkpoint(args.output, ensemble_checkpoints(args.inputs))
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(f"an ensemble of {len(args.inputs)} models in {args.output}")
-
-
-if __name__ == "__main__":
     main()

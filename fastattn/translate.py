@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from fastattn.checkpoint import CheckpointError, load_model
 from fastattn.cli import HelpFormatter
 from fastattn.data import Truecaser
 from fastattn.ensemble import Ensemble
@@ -88,8 +89,6 @@ class Translator:
     def from_checkpoint(
         cls, path: str | Path, device: str | torch.device = "cpu", **options
     ) -> Translator:
-        from fastattn.checkpoint import load_model
-
         model, sp, meta = load_model(path, device)
         if options.get("alpha") is None:  # the length penalty training chose on dev, if any
             options["alpha"] = meta.get("alpha", 0.6)
@@ -309,8 +308,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from fastattn.checkpoint import CheckpointError
-
     args = parse_args(argv)
     try:
         translator = Translator.from_checkpoint(

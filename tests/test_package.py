@@ -1,7 +1,10 @@
-"""The package: the extension, the warning without it, the backend switch, the Triton range."""
+"""The package: the extension, the warning without it, the backend switch, the Triton range, and
+no import cycle among its modules."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import triton
@@ -90,3 +93,44 @@ except RuntimeError as e:
     env = {"TRITON_INTERPRET": "0", "FASTATTN_BACKEND": "auto"}
     out = run_python(code, **env)
     assert "needs Triton's interpreter: set TRITON_INTERPRET=1" in out.stdout, out.stderr
+
+
+def module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The fastattn modules a module imports when it is imported: its top-level statements only
+    (imports inside functions, `if TYPE_CHECKING:` or `if __name__ == "__main__":` run later or
+    never). `from fastattn import ops` imports the module fastattn.ops."""
+    imported = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                imported.add(submodule if submodule in modules else node.module)
+    return imported & modules
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycle_among_fastattn_modules():
+    package = Path(fastattn.__file__).parent
+    paths = {module_name(p, package): p for p in package.rglob("*.py")}
+    graph = {name: module_imports(path, set(paths)) for name, path in paths.items()}
+    done, path = set(), []
+
+    def visit(module: str) -> None:  # depth first; a module met again on the path is a cycle
+        if module in path:
+            raise AssertionError(" -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        path.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        path.pop()
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module)
