@@ -3,7 +3,6 @@ paper averages the last 5 for base models and the last 20 for big ones), or of g
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from fastattn.checkpoint import (
@@ -12,11 +11,11 @@ from fastattn.checkpoint import (
     list_checkpoints,
     save_checkpoint,
 )
-from fastattn.cli import HelpFormatter
+from fastattn.cli import ArgumentParser, HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fastattn.average", description=__doc__,
         formatter_class=HelpFormatter,
     )

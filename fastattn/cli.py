@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import NoReturn
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -12,3 +14,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None:
             return action.help or ""
         return super()._get_help_string(action)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """A bad flag value prints one short usage line and the error, not a usage that lists every
+    flag (--help does that)."""
+
+    def error(self, message: str) -> NoReturn:
+        usage = self.format_usage()
+        if usage.count("\n") > 2:  # the usage of a command with many flags spans a page
+            usage = f"usage: {self.prog} [flags]  (--help lists them)\n"
+        sys.stderr.write(usage)
+        self.exit(2, f"{self.prog}: error: {message}\n")

@@ -16,13 +16,12 @@ detruecases translations).
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import torch
 
 from fastattn.checkpoint import CheckpointError, load_model
-from fastattn.cli import HelpFormatter
+from fastattn.cli import ArgumentParser, HelpFormatter
 from fastattn.model import Transformer
 
 
@@ -106,9 +105,9 @@ def convert(model: Transformer, sp, output_dir: str | Path, force: bool = False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m fastattn.ctranslate2_convert",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=HelpFormatter)
+    parser = ArgumentParser(prog="python -m fastattn.ctranslate2_convert",
+                            description=__doc__.split("\n\n")[0],
+                            formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output dir")

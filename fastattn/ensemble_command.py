@@ -3,15 +3,14 @@ decodes as a fastattn.ensemble.Ensemble."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from fastattn.checkpoint import CheckpointError, ensemble_checkpoints, save_checkpoint
-from fastattn.cli import HelpFormatter
+from fastattn.cli import ArgumentParser, HelpFormatter
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fastattn.ensemble", formatter_class=HelpFormatter,
         description="Write one checkpoint holding several models (for example the final models "
         "of runs with different --seed) that python -m fastattn.translate then decodes as an "

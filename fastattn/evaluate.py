@@ -18,7 +18,6 @@ From the command line, scoring a translation file (e.g. from python -m fastattn.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ from functools import cache
 
 from fastattn import data
 from fastattn._extras import MissingExtraError
-from fastattn.cli import HelpFormatter
+from fastattn.cli import ArgumentParser, HelpFormatter
 
 try:
     import sacrebleu
@@ -109,7 +108,7 @@ def wmt_bleu(hypotheses: Sequence[str], references: Sequence[str], lang: str) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fastattn.evaluate",
         description="Detokenized sacreBLEU and tokenized BLEU of a translation file.",
         formatter_class=HelpFormatter,

@@ -7,7 +7,6 @@ fastattn.backend.implementation names, which is the function the ops ask on ever
 
 from __future__ import annotations
 
-import argparse
 import platform
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch
 import fastattn
 from fastattn import backend
 from fastattn.backend import OPS, implementation
+from fastattn.cli import ArgumentParser
 
 DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -102,7 +102,7 @@ def report() -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argparse.ArgumentParser(prog="python -m fastattn.info", description=__doc__.split("\n")[0]
+    ArgumentParser(prog="python -m fastattn.info", description=__doc__.split("\n")[0]
                             ).parse_args(argv)
     print(report())
 

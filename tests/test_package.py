@@ -1,5 +1,5 @@
-"""The package: the extension, the warning without it, the backend switch, the Triton range, and
-no import cycle among its modules."""
+"""The package: the extension, the warning without it, the backend switch, the Triton range, no
+import cycle among its modules, and the command lines' short usage on a bad flag."""
 
 import ast
 import subprocess
@@ -134,3 +134,16 @@ def test_no_import_cycle_among_fastattn_modules():
 
     for module in sorted(graph):
         visit(module)
+
+
+@pytest.mark.parametrize("command", ["fastattn.train", "fastattn.translate", "fastattn.evaluate",
+                                     "fastattn.average", "fastattn.ensemble",
+                                     "fastattn.ctranslate2_convert", "fastattn.info"])
+def test_a_bad_flag_is_a_short_usage_line_and_the_error(command):
+    result = subprocess.run([sys.executable, "-m", command, "--no-such-flag"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) <= 3, result.stderr  # not the page-long usage of every flag
+    assert lines[0].startswith(f"usage: python -m {command}")
+    assert lines[-1].startswith(f"python -m {command}: error: ")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from fastattn import data
-from fastattn.cli import HelpFormatter
+from fastattn.cli import ArgumentParser, HelpFormatter
 from fastattn.model import PRESETS
 from fastattn.train.config import DROPOUT_FLAGS, SIZE_FLAGS, TrainConfig
 from fastattn.train.precision import BF16_MIN_SPEEDUP
@@ -34,7 +34,7 @@ PAPER = {
 
 
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fastattn.train",
         description="Train a Transformer (Vaswani et al., 2017). Defaults: the tuned CPU recipe on "
         "the embedded Multi30k en->de; [paper: ...] gives the paper's value where it differs.",
@@ -142,8 +142,12 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     add(g, "--save-every-minutes", type=float, default=0.0, help="also save every M minutes")
     add(g, "--keep", type=int, default=20, help="numbered checkpoints to keep")
     add(g, "--resume", action="store_true", help="continue from the newest checkpoint in "
-        "--save-dir exactly where it stopped, with its model, vocabulary and task (flags given "
-        "for these must match it); other flags given with new values apply, with a note")
+        "--save-dir that verifies exactly where it stopped (after Ctrl-C, SIGTERM or a kill), "
+        "with its model, vocabulary, task and precision (flags given for these must match it); "
+        "other flags given with new values apply, with a note. Without --resume a --save-dir "
+        "holding another run's checkpoints is refused")
+    add(g, "--overwrite", action="store_true", help="start afresh in a --save-dir that holds "
+        "another run: first delete that run's checkpoints, metrics log and translations")
     add(g, "--average-last", type=int, default=20,
         help="average the last k checkpoints for the final model (1: no averaging)")
 
@@ -175,8 +179,13 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     given = tuple(sorted(name for name, value in vars(again).items() if value is not unset))
     save_dir = args.save_dir.format(data=args.data, src=args.src, tgt=args.tgt)
     existing = next(p for p in (Path(save_dir), *Path(save_dir).parents) if p.exists())
-    if not existing.is_dir() or not os.access(existing, os.W_OK):
+    if not existing.is_dir():
+        parser.error(f"--save-dir {save_dir}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
         parser.error(f"--save-dir {save_dir}: {existing} is not a writable directory")
+    for flag, path in (("--metrics", args.metrics), ("--plot", args.plot)):
+        if path and Path(path).is_dir():
+            parser.error(f"{flag} {path} is a directory; give a file name")
     return TrainConfig(**{
         **vars(args),
         "train": args.train and tuple(args.train), "valid": args.valid and tuple(args.valid),
@@ -259,6 +268,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--d-model {d_model} must be divisible by --heads {heads}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # not after hours of training
         parser.error("--plot needs matplotlib (pip install matplotlib)")
+    if args.resume and args.overwrite:
+        parser.error("--resume continues the run in --save-dir, --overwrite deletes it: give "
+                     "one of them")
     if args.keep < args.average_last:
         parser.error(f"--keep {args.keep} must be at least --average-last {args.average_last}")
 
