@@ -58,14 +58,20 @@ def read_lines(path: str | Path, allow_empty: bool = False) -> list[str]:
     """The stripped lines of a plain or gzip text file; every line must be UTF-8, and non-empty
     unless allow_empty (translations may be empty)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a file")
+    if not path.exists():
         raise DataError(f"{path}: no such file")
+    if not path.is_file():  # a pipe or a device: read twice below (the gzip test, the text)
+        raise DataError(f"{path}: not a regular file")
     try:
         with open(path, "rb") as f:
             gzipped = f.read(2) == b"\x1f\x8b"
-        raw = gzip.open(path, "rb").read() if gzipped else path.read_bytes()
-    except (OSError, EOFError) as e:
-        raise DataError(f"{path}: cannot read ({e})") from None
+            f.seek(0)
+            raw = gzip.GzipFile(fileobj=f).read() if gzipped else f.read()
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise DataError(f"{path}: cannot read ({reason})") from None
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()  # the final newline ends the last line, it does not start a new one

@@ -1,38 +1,70 @@
 """Translation with a trained checkpoint: `python -m fastattn.translate` and fastattn.Translator.
 
     python -m fastattn.translate --checkpoint CKPT [--beam 4] [--alpha A] [--max-len-a 1]
-        [--max-len-b 50] [--nbest N] [--batch-tokens N] < input > output
+        [--max-len-b 50] [--max-source-len 1024] [--nbest N] [--batch-tokens N]
+        [--input FILE] [--output FILE] < input > output
 
 Reads raw sentences, one per line, encodes them with the checkpoint's SentencePiece model, sorts
 a bounded window of them by length into batches of about --batch-tokens source tokens, decodes
 each batch with the cached decoder and beam search (Transformer.beam_search: one native call per
-batch on CPU), and writes the detokenized translations in input order as soon as their window is
-done: memory does not grow with the input.
+batch on CPU), and writes the detokenized translations in input order as soon as they and every
+line before them are done: memory does not grow with the input.
 Defaults are the paper's: beam 4, the GNMT length penalty with the α that fastattn.train chose
 on dev (stored in the checkpoint; else the paper's 0.6), at most source length + 50 tokens (the
 source length counts the EOS that ends it).
+Hostile input: a source longer than --max-source-len pieces (default 1,024, its EOS included;
+no more than a model with learned positions has) keeps its first pieces, with a warning on
+stderr naming the line, so that one huge line costs seconds, not hours (decoding is quadratic in
+the source length), and the lines before it are not held back. An empty line (or one of only
+white space) gives an empty line. Invalid UTF-8 stops with one `error:` line naming the line,
+after the translations of every line before it are written.
+On a terminal, stderr shows a progress bar (lines translated); pipes and logs get none.
 Output: one translation per line; with --scores "score<TAB>translation"; with --nbest N > 1,
-N lines "line number<TAB>score<TAB>translation" per input line (numbered from 0), best first.
+N lines "line number<TAB>score<TAB>translation" per input line (numbered from 0), best first;
+an empty line has one hypothesis, the empty translation, scored 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import itertools
 import math
+import os
+import stat
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import CheckpointError, load_model
-from fastattn.cli import HelpFormatter
+from fastattn.cli import ArgumentParser, HelpFormatter
 from fastattn.data import Truecaser
 from fastattn.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.search import LengthPenalty, greedy_search
+
+try:
+    from tqdm import tqdm
+except ImportError as e:
+    raise MissingExtraError(__name__, e) from None
+
+MAX_SOURCE_LEN = 1024
+"""The most source pieces translated of a line, its EOS included (Translator.max_source_len,
+--max-source-len): decoding costs grow with the square of the source length."""
+
+
+class SourceTruncatedWarning(UserWarning):
+    """A source longer than Translator.max_source_len was cut to its first pieces."""
+
+
+class InputError(ValueError):
+    """Input that cannot be translated (invalid UTF-8); the message names the file and line."""
 
 
 @dataclass
@@ -57,6 +89,12 @@ class Translator:
     sentence is max_len_a · source length + max_len_b. A model trained on truecased text
     (fastattn.train --truecase) comes with the source truecaser; its translations are
     detruecased.
+
+    A source of more than max_source_len pieces (its EOS included; at most the positions of a
+    model with learned positions) keeps its first max_source_len - 1 pieces and its EOS, and
+    `on_truncated(line, pieces)` is called with its line number (from 1) and its length (default:
+    a SourceTruncatedWarning). A line that encodes to no pieces (empty, or only white space)
+    translates to the empty translation, scored 0, without decoding.
     """
 
     def __init__(
@@ -73,17 +111,30 @@ class Translator:
         batch_tokens: int = 4096,
         window: int = 1000,
         truecaser: Truecaser | None = None,
+        max_source_len: int = MAX_SOURCE_LEN,
+        on_truncated: Callable[[int, int], None] | None = None,
     ) -> None:
         if not 1 <= nbest <= beam_size:
             raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
         if batch_tokens < 1 or window < 1:
             raise ValueError(f"batch_tokens and window must be >= 1, got {batch_tokens}, {window}")
+        if max_source_len < 2:
+            raise ValueError(f"max_source_len must be >= 2 (a piece and the EOS), got "
+                             f"{max_source_len}")
         self.model, self.sp = model.eval(), sp
         self.beam_size, self.alpha, self.length_penalty = beam_size, alpha, length_penalty
         self.max_len_a, self.max_len_b, self.nbest = max_len_a, max_len_b, nbest
         self.batch_tokens, self.window, self.truecaser = batch_tokens, window, truecaser
         self.device = next(model.parameters()).device
         self.pad_id, self.bos_id, self.eos_id = sp.pad_id(), sp.bos_id(), sp.eos_id()
+        # A model with learned positions has none beyond cfg.max_len: sources and outputs stop
+        # there (sinusoids extend to any length).
+        members = model.members if isinstance(model, Ensemble) else [model]
+        learned = [m.cfg.max_len for m in members
+                   if getattr(getattr(m, "cfg", None), "positions", None) == "learned"]
+        self.position_limit = min(learned) if learned else None
+        self.max_source_len = min(max_source_len, self.position_limit or max_source_len)
+        self.on_truncated = on_truncated or self._warn_truncated
 
     @classmethod
     def from_checkpoint(
@@ -96,36 +147,86 @@ class Translator:
             options["truecaser"] = Truecaser(meta["truecase"])
         return cls(model, sp, **options)
 
-    def translate(self, sentences: Sequence[str]) -> list[str]:
-        """The best translation of each sentence."""
-        return [hypotheses[0].text if hypotheses else "" for hypotheses in self.stream(sentences)]
+    def translate(self, sentences: Sequence[str], progress: bool = False) -> list[str]:
+        """The best translation of each sentence; progress: a progress bar on stderr."""
+        bar = tqdm(total=len(sentences), unit="sentence", file=sys.stderr, leave=False,
+                   dynamic_ncols=True, disable=not progress)
+        translations = []
+        with bar:
+            for hypotheses in self.stream(sentences):
+                translations.append(hypotheses[0].text if hypotheses else "")
+                bar.update()
+        return translations
 
     def stream(self, lines: Iterable[str]) -> Iterator[list[Translation]]:
-        """The nbest translations of each line, best first, in input order, reading and
-        translating `window` lines at a time."""
+        """The nbest translations of each line, best first, in input order, reading `window`
+        lines at a time and giving each translation as soon as it and those of the lines before
+        it are done. If reading `lines` raises, the lines read before are translated and given
+        first, then the exception is raised."""
         lines = iter(lines)
-        while window := list(itertools.islice(lines, self.window)):
-            yield from self._translate_window([line.rstrip("\n") for line in window])
+        first = 1  # the line number of the window's first line
+        while True:
+            window: list[str] = []
+            error: Exception | None = None
+            try:
+                for line in itertools.islice(lines, self.window):
+                    window.append(line.rstrip("\n"))
+            except Exception as e:  # noqa: BLE001 - raised again below, after the lines before
+                error = e
+            yield from self._translate_window(window, first)
+            first += len(window)
+            if error is not None:
+                raise error
+            if len(window) < self.window:
+                return
 
-    def _encode(self, sentences: list[str]) -> list[list[int]]:
-        """Source ids of raw sentences, EOS included."""
+    def _encode(self, sentences: list[str], first: int | None = None) -> list[list[int]]:
+        """Source ids of raw sentences, EOS included, at most max_source_len of them (a longer
+        source keeps its first pieces; on_truncated is told its line, numbered from `first`)."""
         if self.truecaser is not None:
             sentences = [self.truecaser(s) for s in sentences]
-        return [ids + [self.eos_id] for ids in self.sp.encode(sentences, out_type=int)]
+        sources = []
+        for i, ids in enumerate(self.sp.encode(sentences, out_type=int)):
+            if len(ids) + 1 > self.max_source_len:
+                self.on_truncated(i + (first or 1), len(ids) + 1)
+                ids = ids[: self.max_source_len - 1]
+            sources.append(ids + [self.eos_id])
+        return sources
 
-    def _translate_window(self, sentences: list[str]) -> list[list[Translation]]:
-        sources = self._encode(sentences)
-        results: list[list[Translation]] = [[] for _ in sources]
-        for batch in self._batches(sources):
+    def _warn_truncated(self, line: int, pieces: int) -> None:
+        warnings.warn(SourceTruncatedWarning(
+            f"line {line}: the source has {pieces} pieces; translating its first "
+            f"{self.max_source_len} (max_source_len)"), stacklevel=4)
+
+    def _translate_window(self, sentences: list[str],
+                          first: int = 1) -> Iterator[list[Translation]]:
+        """The translations of a window of lines, in order, each as soon as it and the ones
+        before it are done (batches go shortest first: a long line holds back only the lines
+        after it)."""
+        sources = self._encode(sentences, first)
+        results: list[list[Translation] | None] = [None] * len(sources)
+        decode = []
+        for i, ids in enumerate(sources):
+            if len(ids) == 1:  # no pieces: nothing to translate
+                results[i] = [Translation("", 0.0, [])]
+            else:
+                decode.append(i)
+        done = 0
+        for batch in self._batches(decode, sources):
             for i, hypotheses in zip(batch, self._search([sources[i] for i in batch]), strict=True):
                 results[i] = hypotheses
-        return results
+            while done < len(results) and results[done] is not None:
+                yield results[done]
+                results[done], done = None, done + 1
+        while done < len(results):
+            yield results[done]
+            results[done], done = None, done + 1
 
-    def _batches(self, sources: list[list[int]]) -> Iterator[list[int]]:
-        """Indices of sources in batches of similar length, at most batch_tokens tokens with
+    def _batches(self, indices: list[int], sources: list[list[int]]) -> Iterator[list[int]]:
+        """The indices of sources in batches of similar length, at most batch_tokens tokens with
         padding (a longer sentence goes alone)."""
         batch: list[int] = []
-        for i in sorted(range(len(sources)), key=lambda i: len(sources[i])):
+        for i in sorted(indices, key=lambda i: len(sources[i])):
             if batch and (len(batch) + 1) * len(sources[i]) > self.batch_tokens:
                 yield batch
                 batch = []
@@ -140,6 +241,8 @@ class Translator:
             source[row, : len(ids)] = torch.tensor(ids)
         lengths = torch.tensor([len(ids) for ids in sources])
         max_len = (self.max_len_a * lengths + self.max_len_b).floor().long().clamp(min=1)
+        if self.position_limit is not None:
+            max_len = max_len.clamp(max=self.position_limit)
         source, max_len = source.to(self.device), max_len.to(self.device)
         options = dict(
             bos_id=self.bos_id, eos_id=self.eos_id, max_len=max_len, alpha=self.alpha,
@@ -256,9 +359,10 @@ class Translator:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m fastattn.translate",
-        description="Translate raw sentences from stdin to stdout with a fastattn checkpoint.",
+        description="Translate raw sentences, one per line, from stdin (or --input) to stdout "
+        "(or --output) with a fastattn checkpoint.",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--checkpoint", required=True,
@@ -272,6 +376,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-len-a", type=float, default=1.0,
                         help="at most max_len_a · source length + max_len_b target tokens")
     parser.add_argument("--max-len-b", type=int, default=50)
+    parser.add_argument("--max-source-len", type=int, default=MAX_SOURCE_LEN,
+                        help="a longer source (in pieces, its EOS included) is truncated to its "
+                        "first pieces, with a warning naming the line")
     parser.add_argument("--nbest", type=int, default=1, help="hypotheses written per sentence")
     parser.add_argument("--scores", action="store_true", help="write scores with translations")
     parser.add_argument("--batch-tokens", type=int, default=4096,
@@ -280,6 +387,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="lines read ahead and sorted by length into batches")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--input", default="-", help="input file (- for stdin)")
+    parser.add_argument("--output", default="-", help="output file (- for stdout)")
     parser.add_argument("--plot-attention", metavar="PNG",
                         help="instead of translating, plot attention for the first input line")
     parser.add_argument("--attention", choices=["encoder", "cross"], default="encoder",
@@ -293,6 +401,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"need --beam >= 1 and 1 <= --nbest <= --beam, got {args.beam}, {args.nbest}")
     if args.batch_tokens < 1 or args.window < 1 or args.max_len_b < 0 or args.max_len_a < 0:
         parser.error("--batch-tokens and --window must be positive, --max-len-a/b not negative")
+    if args.max_source_len < 2:
+        parser.error(f"--max-source-len must be >= 2 (a piece and the EOS), got "
+                     f"{args.max_source_len}")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -310,60 +421,179 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     try:
+        _main(args)
+    except KeyboardInterrupt:  # Ctrl-C: what was translated is written, no traceback
+        raise SystemExit("interrupted") from None
+
+
+def _main(args: argparse.Namespace) -> None:
+    name = "stdin" if args.input == "-" else args.input
+    # Before the checkpoint loads: a path that cannot work is named at once.
+    for flag, path in (("--input", args.input), ("--output", args.output)):
+        if path != "-" and os.path.isdir(path):
+            raise SystemExit(f"error: {flag} {path}: {os.strerror(errno.EISDIR)}")
+    if args.input != "-" and not os.path.exists(args.input):
+        raise SystemExit(f"error: --input {args.input}: {os.strerror(errno.ENOENT)}")
+    try:
         translator = Translator.from_checkpoint(
             args.checkpoint, args.device, beam_size=args.beam, alpha=args.alpha,
             length_penalty=args.length_penalty, max_len_a=args.max_len_a,
             max_len_b=args.max_len_b, nbest=args.nbest, batch_tokens=args.batch_tokens,
-            window=args.window,
+            window=args.window, max_source_len=args.max_source_len,
         )  # fmt: skip
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
-    name = "stdin" if args.input == "-" else args.input
     try:
         source = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")
     except OSError as e:
-        raise SystemExit(f"error: --input {args.input}: {e.strerror}") from None
+        raise SystemExit(f"error: --input {args.input}: {_reason(e)}") from None
     with source:
-        _translate(translator, _utf8_lines(source, name), args)
+        if args.plot_attention:
+            _plot_attention(translator, _utf8_lines(source, name), args)
+            return
+        output = Output(args.output)
+        with output:
+            _translate(translator, _utf8_lines(source, name), args, output,
+                       total=_line_count(source), name=name)
+
+
+def _reason(e: OSError) -> str:
+    """An OSError's cause in words: "Is a directory", "No space left on device", ..."""
+    return e.strerror or str(e)
+
+
+class Output:
+    """Translations to a file or stdout, flushed line by line; any OSError is one `error:` line
+    naming the path and its cause (what was written before stays)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.name = "stdout" if path == "-" else f"--output {path}"
+        self.file = None
+
+    def __enter__(self) -> Output:
+        try:
+            self.file = (sys.stdout if self.path == "-"
+                         else open(self.path, "w", encoding="utf-8", newline="\n"))
+        except OSError as e:
+            raise SystemExit(f"error: {self.name}: {_reason(e)}") from None
+        return self
+
+    def write(self, text: str) -> None:
+        try:
+            self.file.write(text)
+            self.file.flush()
+        except BrokenPipeError:  # the reader is gone (| head): stop quietly, as cat does
+            _silence_stdout()
+            raise SystemExit(0) from None
+        except OSError as e:
+            raise SystemExit(f"error: {self.name}: {_reason(e)}") from None
+
+    def __exit__(self, *exc) -> None:
+        if self.file is None or self.file is sys.stdout:
+            return
+        try:
+            self.file.close()
+        except OSError as e:
+            if exc[0] is None:
+                raise SystemExit(f"error: {self.name}: {_reason(e)}") from None
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: Python's flush of stdout at exit would fail again."""
+    with contextlib.suppress(OSError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+def _line_count(source) -> int | None:
+    """The number of lines of a regular input file from where it is read (for the progress
+    bar's total), else None. Read with pread: the position of `source` does not move."""
+    try:
+        fd = source.fileno()
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        at, count, last = os.lseek(fd, 0, os.SEEK_CUR), 0, b"\n"
+        while chunk := os.pread(fd, 1 << 20, at):
+            count, at, last = count + chunk.count(b"\n"), at + len(chunk), chunk[-1:]
+        return count + (last != b"\n")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _utf8_lines(binary: Iterable[bytes], name: str) -> Iterator[str]:
-    """Lines without their line break; invalid UTF-8 stops with the line's number."""
+    """Lines without their line break; invalid UTF-8 raises InputError naming the line (the
+    lines before it are translated first: Translator.stream)."""
     for number, raw in enumerate(binary, 1):
         try:
             yield raw.decode("utf-8").rstrip("\r\n")
         except UnicodeDecodeError as e:
-            raise SystemExit(f"error: {name}:{number}: invalid UTF-8 ({e.reason})") from None
+            raise InputError(f"{name}:{number}: invalid UTF-8 at byte {e.start} of the line "
+                             f"({e.reason})") from None
 
 
-def _translate(translator: Translator, lines: Iterator[str], args: argparse.Namespace) -> None:
-    if args.plot_attention:
+def _plot_attention(translator: Translator, lines: Iterator[str],
+                    args: argparse.Namespace) -> None:
+    try:
         sentence = next(lines, None)
-        if sentence is None:
-            raise SystemExit("error: --plot-attention needs one input line")
-        heads = args.attention_heads
-        heads = None if heads is None else [int(h) - 1 for h in heads.split(",")]
-        layer = None if args.attention_layer is None else args.attention_layer - 1
-        model = translator.shown_model
-        stack = model.encoder.layers if args.attention == "encoder" else model.decoder.layers
-        if layer is not None and not 0 <= layer < len(stack):
-            raise SystemExit(f"error: --attention-layer {args.attention_layer}: the model has "
-                             f"layers 1 to {len(stack)}")
-        count = stack[0].self_attention.heads
-        if heads is not None and max(heads) >= count:
-            raise SystemExit(f"error: --attention-heads {args.attention_heads}: the model has "
-                             f"heads 1 to {count}")
+    except InputError as e:
+        raise SystemExit(f"error: {e}") from None
+    if sentence is None:
+        raise SystemExit("error: --plot-attention needs one input line")
+    heads = args.attention_heads
+    heads = None if heads is None else [int(h) - 1 for h in heads.split(",")]
+    layer = None if args.attention_layer is None else args.attention_layer - 1
+    model = translator.shown_model
+    stack = model.encoder.layers if args.attention == "encoder" else model.decoder.layers
+    if layer is not None and not 0 <= layer < len(stack):
+        raise SystemExit(f"error: --attention-layer {args.attention_layer}: the model has "
+                         f"layers 1 to {len(stack)}")
+    count = stack[0].self_attention.heads
+    if heads is not None and max(heads) >= count:
+        raise SystemExit(f"error: --attention-heads {args.attention_heads}: the model has "
+                         f"heads 1 to {count}")
+    try:
         translator.plot_attention(sentence, args.plot_attention, layer, heads, args.attention)
-        return
-    out = sys.stdout
-    for line, hypotheses in enumerate(translator.stream(lines)):
-        if args.nbest > 1:
-            for h in hypotheses:
-                out.write(f"{line}\t{h.score:.4f}\t{h.text}\n")
-        else:
-            best = hypotheses[0] if hypotheses else Translation("", -math.inf, [])
-            out.write(f"{best.score:.4f}\t{best.text}\n" if args.scores else f"{best.text}\n")
-        out.flush()
+    except OSError as e:
+        raise SystemExit(f"error: --plot-attention {args.plot_attention}: {_reason(e)}") from None
+
+
+def _translate(translator: Translator, lines: Iterator[str], args: argparse.Namespace,
+               output: Output, total: int | None = None, name: str = "stdin") -> None:
+    """Writes the translations of lines to output, each line flushed as soon as it is done, with
+    a progress bar when stderr is a terminal."""
+    bar = tqdm(total=total, unit="line", file=sys.stderr, leave=False, dynamic_ncols=True,
+               disable=not _is_terminal(sys.stderr))
+    # Output lines on the bar's terminal are written with the bar cleared, then it is redrawn.
+    shared = not bar.disable and output.file is sys.stdout and _is_terminal(sys.stdout)
+
+    def truncated(line: int, pieces: int) -> None:
+        tqdm.write(f"warning: {name}:{line}: the source has {pieces} pieces; translating its "
+                   f"first {translator.max_source_len} (--max-source-len)", file=sys.stderr)
+
+    translator.on_truncated = truncated
+    with bar:
+        try:
+            for line, hypotheses in enumerate(translator.stream(lines)):
+                if args.nbest > 1:
+                    text = "".join(f"{line}\t{h.score:.4f}\t{h.text}\n" for h in hypotheses)
+                else:
+                    best = hypotheses[0] if hypotheses else Translation("", -math.inf, [])
+                    text = f"{best.score:.4f}\t{best.text}\n" if args.scores else f"{best.text}\n"
+                clearing = tqdm.external_write_mode(file=sys.stdout) if shared else None
+                with clearing or contextlib.nullcontext():
+                    output.write(text)
+                bar.update()
+        except InputError as e:
+            bar.close()
+            raise SystemExit(f"error: {e}") from None
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

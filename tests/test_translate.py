@@ -27,18 +27,23 @@ SENTENCES = [
 SHORT = {"max_len_b": 4}  # an untrained model tends to run to max_len: keep the tests fast
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def make_checkpoint(path, **config):
+    """A tiny random model (TransformerConfig fields replaced by config) with a 300-piece
+    SentencePiece vocabulary of Multi30k's dev text, saved as fastattn.train saves one."""
     text = data.load_multi30k("val", "en", "de")
     proto = data.train_sentencepiece(list(text.src) + list(text.tgt), vocab_size=300)
     torch.manual_seed(0)
-    model = Transformer.from_preset("tiny", vocab_size=300, dropout=0.0)
+    model = Transformer.from_preset("tiny", vocab_size=300, dropout=0.0, **config)
     with torch.no_grad():  # sharper next-token distributions: fewer near-ties between hypotheses
         model.embedding.weight.mul_(4)
-    path = tmp_path_factory.mktemp("translate") / "checkpoint.pt"
     state = {"model": model.state_dict(), "config": asdict(model.cfg), "spm": proto, "meta": {}}
     save_checkpoint(path, state)
     return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("translate") / "checkpoint.pt")
 
 
 def test_the_length_penalty_defaults_to_the_one_training_chose(checkpoint, tmp_path):
@@ -131,7 +136,9 @@ def test_command_line(checkpoint, monkeypatch, capsys):
 
     scored = run_cli(monkeypatch, capsys, [*base, "--scores"], SENTENCES)
     assert [line.split("\t", 1)[1] for line in scored] == best
-    assert all(float(line.split("\t")[0]) < 0 for line in scored)
+    # The empty line (SENTENCES[2]) gives the empty translation, scored 0; the others are decoded.
+    assert [float(line.split("\t")[0]) < 0 for line in scored] == [bool(s) for s in SENTENCES]
+    assert scored[2] == "0.0000\t"
 
     nbest = run_cli(monkeypatch, capsys, [*base, "--nbest", "3", "--beam", "5"], SENTENCES[:2])
     fields = [line.split("\t") for line in nbest]

@@ -2,28 +2,50 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from fastattn import data, evaluate
+from fastattn._extras import MissingExtraError
 from fastattn.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.train.corpus import Split
 from fastattn.translate import Translator
 
+try:
+    from tqdm import tqdm
+except ImportError as e:
+    raise MissingExtraError(__name__, e) from None
+
 
 def translate(model: Transformer | Ensemble, sp, sentences: Sequence[str], *, beam: int,
               alpha: float, max_len_b: int, batch_tokens: int,
-              truecaser: data.Truecaser | None = None) -> list[str]:
-    """Detokenized translations (fastattn.Translator; beam 1 is greedy search)."""
+              truecaser: data.Truecaser | None = None,
+              progress: bool | None = None) -> list[str]:
+    """Detokenized translations (fastattn.Translator; beam 1 is greedy search). progress: a
+    progress bar on stderr; None: when stderr is a terminal (none in pipes and logs), no other
+    bar of this process is open (the training bar during dev evaluations) and this is not a
+    child process (an ensemble member's job, whose row belongs to another's bar)."""
     was_training = model.training
     translator = Translator(model, sp, beam_size=beam, alpha=alpha, max_len_b=max_len_b,
                             batch_tokens=batch_tokens, truecaser=truecaser)
-    hypotheses = translator.translate(sentences)
+    if progress is None:
+        progress = (_is_terminal(sys.stderr) and not len(getattr(tqdm, "_instances", ()))
+                    and multiprocessing.parent_process() is None)
+    hypotheses = translator.translate(sentences, progress=progress)
     model.train(was_training)
     return hypotheses
+
+
+def _is_terminal(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without one, or closed
+        return False
 
 
 def bleu_scores(hypotheses: list[str], split: Split, tgt_lang: str) -> dict[str, Any]:
