@@ -59,6 +59,11 @@ MAX_SOURCE_LEN = 1024
 --max-source-len): decoding costs grow with the square of the source length."""
 
 
+LONG_SOURCE = 256
+"""Sources up to this many tokens are batched by --batch-tokens alone; a longer one is not
+batched with sources less than half as long (Translator._batches)."""
+
+
 class SourceTruncatedWarning(UserWarning):
     """A source longer than Translator.max_source_len was cut to its first pieces."""
 
@@ -194,9 +199,12 @@ class Translator:
         return sources
 
     def _warn_truncated(self, line: int, pieces: int) -> None:
+        level, frame = 1, sys._getframe()
+        while frame is not None and frame.f_code.co_filename == __file__:  # to the caller's line
+            level, frame = level + 1, frame.f_back
         warnings.warn(SourceTruncatedWarning(
             f"line {line}: the source has {pieces} pieces; translating its first "
-            f"{self.max_source_len} (max_source_len)"), stacklevel=4)
+            f"{self.max_source_len} (max_source_len)"), stacklevel=level)
 
     def _translate_window(self, sentences: list[str],
                           first: int = 1) -> Iterator[list[Translation]]:
@@ -224,10 +232,14 @@ class Translator:
 
     def _batches(self, indices: list[int], sources: list[list[int]]) -> Iterator[list[int]]:
         """The indices of sources in batches of similar length, at most batch_tokens tokens with
-        padding (a longer sentence goes alone)."""
+        padding (a longer sentence goes alone). A source of more than LONG_SOURCE tokens joins
+        no batch of sources less than half as long: it decodes for long, and the translations
+        of a batch come out together."""
         batch: list[int] = []
         for i in sorted(indices, key=lambda i: len(sources[i])):
-            if batch and (len(batch) + 1) * len(sources[i]) > self.batch_tokens:
+            length = len(sources[i])
+            if batch and ((len(batch) + 1) * length > self.batch_tokens
+                          or length > max(LONG_SOURCE, 2 * len(sources[batch[0]]))):
                 yield batch
                 batch = []
             batch.append(i)
@@ -423,7 +435,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         _main(args)
     except KeyboardInterrupt:  # Ctrl-C: what was translated is written, no traceback
-        raise SystemExit("interrupted") from None
+        sys.stderr.write("interrupted\n")
+        raise SystemExit(130) from None
 
 
 def _main(args: argparse.Namespace) -> None:
@@ -434,6 +447,9 @@ def _main(args: argparse.Namespace) -> None:
             raise SystemExit(f"error: {flag} {path}: {os.strerror(errno.EISDIR)}")
     if args.input != "-" and not os.path.exists(args.input):
         raise SystemExit(f"error: --input {args.input}: {os.strerror(errno.ENOENT)}")
+    if "-" not in (args.input, args.output) and os.path.exists(args.output) \
+            and os.path.samefile(args.input, args.output):  # opening it for writing empties it
+        raise SystemExit(f"error: --output {args.output} is the --input file")
     try:
         translator = Translator.from_checkpoint(
             args.checkpoint, args.device, beam_size=args.beam, alpha=args.alpha,

@@ -10,6 +10,7 @@ import io
 import os
 import pty
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -65,6 +66,30 @@ def test_a_10000_word_line_is_truncated_with_a_warning_and_the_short_lines_come_
                        f"first {MAX_SOURCE_LEN} (--max-source-len)")
 
 
+def test_ctrl_c_after_the_first_line_keeps_it_and_prints_no_traceback(checkpoint, tmp_path):
+    source = tmp_path / "in.en"
+    source.write_text(f"{SHORT_LINES[0]}\n{HUGE}\n{SHORT_LINES[1]}\n", encoding="utf-8")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "fastattn.translate", "--checkpoint", str(checkpoint), "--input",
+         str(source), "--max-len-b", "4"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+        # A shell's background job ignores SIGINT, and Python keeps an ignored SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        ready, _, _ = select.select([child.stdout], [], [], TIMEOUT)
+        assert ready, "the first line did not come out before the huge one was decoded"
+        first = child.stdout.readline().decode()  # before the huge line is done
+        child.send_signal(signal.SIGINT)
+        stdout, stderr = child.communicate(timeout=TIMEOUT)
+    finally:
+        child.kill()
+    expected = Translator.from_checkpoint(checkpoint, **SHORT).translate(SHORT_LINES[:1])
+    assert first == f"{expected[0]}\n"
+    assert child.returncode == 130, stderr
+    lines = stderr.decode().splitlines()
+    assert lines[-1] == "interrupted" and len(lines) == 2 and lines[0].startswith("warning:")
+
+
 def test_the_cap_is_an_argument_and_truncation_keeps_the_first_pieces(checkpoint):
     told = []
     translator = Translator.from_checkpoint(checkpoint, max_source_len=8, beam_size=2,
@@ -83,16 +108,17 @@ def test_the_cap_is_an_argument_and_truncation_keeps_the_first_pieces(checkpoint
 
 
 def test_the_lines_before_a_long_one_are_given_before_it_is_decoded(checkpoint, monkeypatch):
-    translator = Translator.from_checkpoint(checkpoint, max_source_len=64, batch_tokens=64,
+    # 300 tokens and 3 short sources fit the default 4096 batch tokens, but do not share one.
+    translator = Translator.from_checkpoint(checkpoint, max_source_len=300,
                                             on_truncated=lambda *a: None, **SHORT)
     searched = []
     search = translator._search
     monkeypatch.setattr(translator, "_search",
                         lambda sources: searched.append(max(map(len, sources))) or search(sources))
-    stream = translator.stream([SHORT_LINES[0], HUGE, SHORT_LINES[1]])
+    stream = translator.stream([SHORT_LINES[0], HUGE, *SHORT_LINES[1:]])
     first = next(stream)
-    assert first and max(searched) < 64  # the long line is not decoded yet
-    assert len(list(stream)) == 2 and max(searched) == 64
+    assert first and max(searched) < 300  # the long line is not decoded yet
+    assert len(list(stream)) == 3 and searched[-1] == 300 and len(searched) == 2
 
 
 def test_a_model_with_learned_positions_translates_a_long_line_within_its_positions(tmp_path):
@@ -173,6 +199,10 @@ def test_a_directory_where_a_file_is_expected_is_named_as_such(checkpoint, tmp_p
             main([*base, flag, str(tmp_path)])
     with pytest.raises(SystemExit, match=f"^error: --output {tmp_path}/none/out: No such file"):
         main([*base, "--input", os.devnull, "--output", str(tmp_path / "none" / "out")])
+    (tmp_path / "in.en").write_text("A dog.\n", encoding="utf-8")
+    with pytest.raises(SystemExit, match="is the --input file"):  # not emptied before it is read
+        main([*base, "--input", str(tmp_path / "in.en"), "--output", str(tmp_path / "in.en")])
+    assert (tmp_path / "in.en").read_text(encoding="utf-8") == "A dog.\n"
     with pytest.raises(data.DataError, match=f"^{tmp_path}: is a directory, not a file$"):
         data.read_lines(tmp_path)
     with pytest.raises(data.DataError, match="is a directory"):
