@@ -36,6 +36,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _block_and_head(blocks_per_head):
+    """(block, batch x head) of this program. Both share grid axis 0, blocks fastest (programs
+    of one head run together and share its K and V in L2): CUDA caps axes 1 and 2 at 65,535,
+    which B x H alone can pass (4,097 one-token sentences x 16 heads)."""
+    pid = tl.program_id(0)
+    return pid % blocks_per_head, pid // blocks_per_head
+
+
+@triton.jit
 def _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
                    MASK_KIND: tl.constexpr, KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr,
                    CHECK_BOUNDS: tl.constexpr):
@@ -47,8 +56,8 @@ def _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
         if KEY_MASK:
             m = tl.load(mask_ptr + cols, mask=cols < Lk, other=0)
         else:
-            m = tl.load(mask_ptr + rows * stride_mm + cols, mask=(rows < Lq) & (cols < Lk),
-                        other=0)
+            m = tl.load(mask_ptr + rows.to(tl.int64) * stride_mm + cols,
+                        mask=(rows < Lq) & (cols < Lk), other=0)
         if MASK_KIND == 1:
             s = tl.where(m != 0, s, float("-inf"))
         else:
@@ -91,7 +100,8 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, 
         kv_mask = offs_d[:, None] < HEAD_DIM  # all true, folded away, unless D is padded
         if CHECK_BOUNDS:
             kv_mask &= cols < Lk
-        k_t = tl.load(k_base + cols * stride_kn + offs_d[:, None], mask=kv_mask, other=0.0)
+        k_t = tl.load(k_base + cols.to(tl.int64) * stride_kn + offs_d[:, None], mask=kv_mask,
+                      other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
                            MASK_KIND, KEY_MASK, CAUSAL, CHECK_BOUNDS)
@@ -105,7 +115,8 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, 
             keep = _dropout_keep(philox_seed, philox_offset, bh, row_start, start_n, Lq, Lk,
                                  dropout_p, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
-        v = tl.load(v_base + cols.T * stride_vn + offs_d[None, :], mask=kv_mask.T, other=0.0)
+        v = tl.load(v_base + cols.T.to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask.T,
+                    other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -131,14 +142,14 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
     get Out = 0 and Lse = +inf, which makes every recomputed probability 0 in the backward.
     Causal tiles above the diagonal are never visited; tiles fully inside the allowed region skip
     the bounds and causal checks."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
     h = (bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :]
+    q_ptrs = (Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
+              + offs_d[None, :])
     q = tl.load(q_ptrs, mask=(offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM), other=0.0)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
@@ -174,7 +185,7 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
         out = out * (1.0 / (1.0 - dropout_p))
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     row_ok = offs_m < Lq
-    o_ptrs = Out + bh.to(tl.int64) * Lq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    o_ptrs = Out + (bh.to(tl.int64) * Lq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     tl.store(Lse + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
@@ -185,9 +196,9 @@ def _attn_bwd_delta(Out, dOut, Delta, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: t
                     BLOCK_M: tl.constexpr):
     """Delta_i = sum_d dO_id * O_id = sum_j P_ij dP_ij (with dropout too), the row term of the
     softmax gradient dS = P * (dP - Delta). Out and dOut are contiguous (rows, HEAD_DIM)."""
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    ptrs = offs_m[:, None].to(tl.int64) * HEAD_DIM + offs_d[None, :]
+    ptrs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     mask = (offs_m[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(Out + ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(dOut + ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -209,17 +220,17 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
         P^T = 2^(S^T - lse * log2 e),  dV = sum (P^T * Z) dO,  dP^T = (V dO^T) * Z,
         dS^T = P^T * (dP^T - Delta),   dK = scale * sum dS^T Q,
     where Z = keep / (1 - p) is the regenerated dropout mask (Z = 1 without dropout)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_n, bh = _block_and_head(tl.cdiv(Lk, BLOCK_N))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
     h = (bh % H).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     kv_mask = (offs_n[:, None] < Lk) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :],
+    key_rows = offs_n[:, None].to(tl.int64)
+    k = tl.load(K + b * stride_kb + h * stride_kh + key_rows * stride_kn + offs_d[None, :],
                 mask=kv_mask, other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :],
+    v = tl.load(V + b * stride_vb + h * stride_vh + key_rows * stride_vn + offs_d[None, :],
                 mask=kv_mask, other=0.0)
     q_base = Q + b * stride_qb + h * stride_qh
     row0 = bh.to(tl.int64) * Lq
@@ -235,8 +246,10 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
     for start_m in range(lo, Lq, BLOCK_M):
         rows = start_m + offs_m[None, :]
         q_mask = (rows < Lq) & (offs_d[:, None] < HEAD_DIM)
-        q_t = tl.load(q_base + rows * stride_qm + offs_d[:, None], mask=q_mask, other=0.0)
-        do = tl.load(do_base + rows.T * HEAD_DIM + offs_d[None, :], mask=q_mask.T, other=0.0)
+        q_t = tl.load(q_base + rows.to(tl.int64) * stride_qm + offs_d[:, None], mask=q_mask,
+                      other=0.0)
+        do = tl.load(do_base + rows.T.to(tl.int64) * HEAD_DIM + offs_d[None, :], mask=q_mask.T,
+                     other=0.0)
         lse = tl.load(Lse + row0 + start_m + offs_m, mask=start_m + offs_m < Lq,
                       other=float("inf")) * 1.4426950408889634
         delta = tl.load(Delta + row0 + start_m + offs_m, mask=start_m + offs_m < Lq, other=0.0)
@@ -273,8 +286,7 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
     """One program owns BLOCK_M queries of one (batch, head) and loops over the key tiles they
     may see (causal stops at the diagonal):
         P = 2^(S - lse * log2 e),  dP = (dO V^T) * Z,  dS = P * (dP - Delta),  dQ = scale * dS K."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
+    pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
     h = (bh % H).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -282,8 +294,8 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
     offs_d = tl.arange(0, BLOCK_D)
     row0 = bh.to(tl.int64) * Lq
     q_mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :],
-                mask=q_mask, other=0.0)
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
+                + offs_d[None, :], mask=q_mask, other=0.0)
     do = tl.load(dOut + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=q_mask,
                  other=0.0)
     lse = tl.load(Lse + row0 + offs_m, mask=offs_m < Lq, other=float("inf")) * 1.4426950408889634
@@ -300,8 +312,10 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n[None, :]
         kv_mask = (cols < Lk) & (offs_d[:, None] < HEAD_DIM)
-        k_t = tl.load(k_base + cols * stride_kn + offs_d[:, None], mask=kv_mask, other=0.0)
-        v_t = tl.load(v_base + cols * stride_vn + offs_d[:, None], mask=kv_mask, other=0.0)
+        k_t = tl.load(k_base + cols.to(tl.int64) * stride_kn + offs_d[:, None], mask=kv_mask,
+                      other=0.0)
+        v_t = tl.load(v_base + cols.to(tl.int64) * stride_vn + offs_d[:, None], mask=kv_mask,
+                      other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
                            MASK_KIND, KEY_MASK, CAUSAL, True)
@@ -321,10 +335,10 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
 def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offset,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Materialises the keep-mask the attention kernels draw, for tests (B*H, Lq, Lk)."""
-    bh = tl.program_id(2)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    keep = _dropout_keep(philox_seed, philox_offset, bh, tl.program_id(0) * BLOCK_M,
+    keep = _dropout_keep(philox_seed, philox_offset, bh, pid_m * BLOCK_M,
                          tl.program_id(1) * BLOCK_N, Lq, Lk, dropout_p, BLOCK_M, BLOCK_N)
     tl.store(Keep + (bh.to(tl.int64) * Lq + rows) * Lk + cols, keep.to(tl.int8),
              mask=(rows < Lq) & (cols < Lk))
@@ -482,7 +496,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
     block_m, block_n, num_warps, num_stages = _config(FWD_CONFIGS, d, q.dtype)
-    grid = (triton.cdiv(lq, block_m), b * h)
+    grid = (triton.cdiv(lq, block_m) * b * h,)
     _attn_fwd[grid](
         q, k, v, mask, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), *mask_strides, h, lq, lk,
@@ -519,11 +533,11 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     flags = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), **mask_flags, CAUSAL=causal is not None,
                  DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype))
     block_m, block_n, num_warps, num_stages = _config(BWD_DKDV_CONFIGS, d, q.dtype)
-    _attn_bwd_dkdv[(triton.cdiv(lk, block_n), b * h)](
+    _attn_bwd_dkdv[(triton.cdiv(lk, block_n) * b * h,)](
         q, k, v, mask, grad_out, lse, delta, dk, dv, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
     block_m, block_n, num_warps, num_stages = _config(BWD_DQ_CONFIGS, d, q.dtype)
-    _attn_bwd_dq[(triton.cdiv(lq, block_m), b * h)](
+    _attn_bwd_dq[(triton.cdiv(lq, block_m) * b * h,)](
         q, k, v, mask, grad_out, lse, delta, dq, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
     return dq, dk, dv
@@ -534,7 +548,7 @@ def dropout_keep_mask(b: int, h: int, lq: int, lk: int, dropout_p: float, rng: t
     """The bool keep-mask (B, H, Lq, Lk) the attention kernels draw from rng = (seed, offset)."""
     seed, offset = rng.tolist()
     keep = torch.empty((b, h, lq, lk), dtype=torch.int8, device=device)
-    grid = (triton.cdiv(lq, 32), triton.cdiv(lk, 32), b * h)
+    grid = (triton.cdiv(lq, 32) * b * h, triton.cdiv(lk, 32))
     _dropout_keep_mask_kernel[grid](keep, lq, lk, dropout_p, seed, offset, BLOCK_M=32,
                                     BLOCK_N=32)
     return keep.bool()
