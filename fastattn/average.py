@@ -4,10 +4,12 @@ paper averages the last 5 for base models and the last 20 for big ones), or of g
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from fastattn.checkpoint import (
     CheckpointError,
     average_checkpoints,
+    describe,
     list_checkpoints,
     save_checkpoint,
 )
@@ -27,6 +29,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.last < 1:
         parser.error("--last must be at least 1")
+    if Path(args.output).is_dir():  # checked before hours of loading
+        parser.error(f"--output {args.output} is a directory; give the averaged checkpoint a "
+                     f"file name (e.g. {Path(args.output) / 'checkpoint_averaged.pt'})")
+    if args.dir and not Path(args.dir).is_dir():
+        parser.error(f"--dir {args.dir}: " + ("is a file, not a directory"
+                                              if Path(args.dir).exists() else "no such directory"))
     try:
         paths = args.inputs or list_checkpoints(args.dir)[-args.last:]
         if args.dir and len(paths) < args.last:
@@ -35,6 +43,9 @@ def main(argv: list[str] | None = None) -> None:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except OSError as e:  # a full disk, a read-only file system: the file there is as it was
+        print(f"error: cannot write {e.filename or args.output}: {describe(e)}", file=sys.stderr)
+        sys.exit(1)
     print(f"averaged {len(paths)} checkpoints into {args.output}")
 
 

@@ -14,12 +14,14 @@ with weights_only=True), so a corrupt or truncated file is reported, never loade
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import io
 import os
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,9 @@ from fastattn.ensemble import Ensemble
 from fastattn.model import Transformer, TransformerConfig
 
 MAGIC = b"fastattn-checkpoint"
-NAME = re.compile(r"checkpoint_(\d+)\.pt$")
+NAME = re.compile(r"checkpoint_(\d+)\.pt")
+INTERRUPTED = re.compile(r"checkpoint_(\d+)_interrupted\.pt")
+TMP_SUFFIX = ".tmp"  # write_atomically's temporary files: .<name>.<random>.tmp
 
 
 class CheckpointError(RuntimeError):
@@ -38,7 +42,7 @@ class CheckpointError(RuntimeError):
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Writes state to path atomically: a temporary file in the same directory, fsync, rename.
+    """Writes state to path atomically (write_atomically).
 
     Refuses a model with NaN or inf parameters, so no checkpoint ever holds one."""
     path = Path(path)
@@ -49,31 +53,63 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     torch.save(state, buffer)
     payload = buffer.getvalue()
     header = b"%s %s %d\n" % (MAGIC, hashlib.sha256(payload).hexdigest().encode(), len(payload))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    write_atomically(path, [header, payload])
+
+
+def write_atomically(path: str | Path, chunks: Iterable[bytes]) -> None:
+    """Writes a file whole or not at all: a temporary file in the same directory (removed if
+    anything fails), fsync, rename over `path`, fsync of the directory. The file gets the mode
+    the umask gives new files (0644 under the usual 022), not mkstemp's 0600.
+
+    An OSError names `path` (e.g. IsADirectoryError where `path` is a directory, ENOSPC, EROFS);
+    the file that was at `path` is then as it was."""
+    path = Path(path)
+    tmp = None
     try:
+        if path.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TMP_SUFFIX)
         with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(payload)
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp = None
+        directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+    except OSError as e:
+        if e.filename is None or e.filename == tmp:  # name the file meant, not the tmp
+            raise naming(e, path) from e
         raise
-    directory = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(directory)
     finally:
-        os.close(directory)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask sets it: set it straight back
+    os.umask(mask)
+    return mask
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """Reads a checkpoint written by save_checkpoint, after verifying it is whole."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, not a checkpoint file")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint")
-    raw = path.read_bytes()
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({describe(e)})") from None
     header, _, payload = raw.partition(b"\n")
     fields = header.split(b" ")
     if len(fields) != 3 or fields[0] != MAGIC or not fields[2].isdigit():
@@ -90,18 +126,67 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 def list_checkpoints(directory: str | Path) -> list[Path]:
     """The numbered checkpoints (checkpoint_<step>.pt) in a directory, oldest step first."""
-    found = [(int(m.group(1)), p) for p in Path(directory).glob("checkpoint_*.pt")
-             if (m := NAME.search(p.name))]
-    return [p for _, p in sorted(found)]
+    return [p for _, p in _numbered(directory, NAME)]
 
 
-def save_numbered(directory: str | Path, state: dict[str, Any], step: int, keep: int) -> Path:
-    """Saves checkpoint_<step>.pt and deletes all but the newest `keep` numbered checkpoints."""
-    path = Path(directory) / f"checkpoint_{step:08d}.pt"
+def list_resumable(directory: str | Path) -> list[Path]:
+    """The checkpoints a run can resume from, oldest step first: the numbered ones and those
+    saved when a signal stopped the run (checkpoint_<step>_interrupted.pt, after a numbered one
+    of the same step)."""
+    found = [(step, 0, p) for step, p in _numbered(directory, NAME)]
+    found += [(step, 1, p) for step, p in _numbered(directory, INTERRUPTED)]
+    return [p for *_, p in sorted(found)]
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step in a numbered or interrupted checkpoint's name."""
+    name = Path(path).name
+    m = NAME.fullmatch(name) or INTERRUPTED.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def _numbered(directory: str | Path, pattern: re.Pattern) -> list[tuple[int, Path]]:
+    return sorted((int(m.group(1)), p) for p in Path(directory).glob("checkpoint_*.pt")
+                  if (m := pattern.fullmatch(p.name)) and p.is_file())
+
+
+def save_numbered(directory: str | Path, state: dict[str, Any], step: int, keep: int,
+                  interrupted: bool = False) -> Path:
+    """Saves checkpoint_<step>.pt and deletes all but the newest `keep` numbered checkpoints up
+    to `step` (one numbered past it is not this run's to delete), and the interrupted ones
+    before it (this checkpoint supersedes them).
+
+    interrupted: saves checkpoint_<step>_interrupted.pt instead, deleting nothing, for a run a
+    signal stopped between its regular checkpoints: --resume continues from it, but it takes no
+    place among the numbered checkpoints the final model averages (so that model is the one an
+    uninterrupted run makes)."""
+    directory = Path(directory)
+    if interrupted:
+        path = directory / f"checkpoint_{step:08d}_interrupted.pt"
+        save_checkpoint(path, state)
+        return path
+    path = directory / f"checkpoint_{step:08d}.pt"
     save_checkpoint(path, state)
-    for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
+    mine = [p for s, p in _numbered(directory, NAME) if s <= step]
+    old = mine[:-keep] if keep > 0 else []
+    old += [p for s, p in _numbered(directory, INTERRUPTED) if s <= step]
+    for p in old:
+        try:
+            p.unlink(missing_ok=True)
+        except OSError as e:
+            raise naming(e, p) from e
     return path
+
+
+def naming(error: OSError, path: str | Path) -> OSError:
+    """The OSError again, of the same kind, naming `path`."""
+    return type(error)(error.errno, error.strerror or str(error), str(path))
+
+
+def describe(error: OSError) -> str:
+    """An OSError's cause as words: 'no space left on device', 'read-only file system', ..."""
+    cause = error.strerror or str(error)
+    return cause[:1].lower() + cause[1:]
 
 
 def average_checkpoints(paths: Sequence[str | Path]) -> dict[str, Any]:

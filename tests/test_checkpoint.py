@@ -90,10 +90,75 @@ def test_failed_save_keeps_the_previous_file(tmp_path, monkeypatch):
 
 
 def test_save_numbered_keeps_the_last_k(tmp_path):
-    for step in (5, 10, 100, 1000, 20):
+    for step in (5, 10, 100, 1000):
         checkpoint.save_numbered(tmp_path, state(step=step), step, keep=3)
     kept = checkpoint.list_checkpoints(tmp_path)
-    assert [checkpoint.load_checkpoint(p)["meta"]["step"] for p in kept] == [20, 100, 1000]
+    assert [checkpoint.load_checkpoint(p)["meta"]["step"] for p in kept] == [10, 100, 1000]
+    # Those numbered past the step being saved are not this run's: they are not deleted, nor do
+    # they take the run's places (a fresh run in a used directory deleted its own so).
+    checkpoint.save_numbered(tmp_path, state(step=20), 20, keep=2)
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [
+        10, 20, 100, 1000]
+    checkpoint.save_numbered(tmp_path, state(step=30), 30, keep=2)
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [
+        20, 30, 100, 1000]
+
+
+def test_an_interrupted_checkpoint_resumes_but_is_not_numbered_and_the_next_one_deletes_it(
+        tmp_path):
+    for step in (4, 8):
+        checkpoint.save_numbered(tmp_path, state(step=step), step, keep=2)
+    stopped = checkpoint.save_numbered(tmp_path, state(step=11), 11, keep=2, interrupted=True)
+    assert stopped.name == "checkpoint_00000011_interrupted.pt"
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == [
+        "checkpoint_00000004.pt", "checkpoint_00000008.pt"]  # what the final model averages
+    assert checkpoint.list_resumable(tmp_path)[-1] == stopped
+    checkpoint.save_numbered(tmp_path, state(step=12), 12, keep=2)
+    assert [p.name for p in checkpoint.list_resumable(tmp_path)] == [
+        "checkpoint_00000008.pt", "checkpoint_00000012.pt"]
+
+
+def test_checkpoints_follow_the_umask(tmp_path):
+    before = os.umask(0o022)
+    try:
+        checkpoint.save_checkpoint(tmp_path / "a.pt", state())
+        os.umask(0o077)
+        checkpoint.save_checkpoint(tmp_path / "b.pt", state())
+    finally:
+        os.umask(before)
+    assert (tmp_path / "a.pt").stat().st_mode & 0o777 == 0o644  # teammates can read it
+    assert (tmp_path / "b.pt").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_directory_where_a_checkpoint_belongs_is_named_as_such(tmp_path):
+    (tmp_path / "c.pt").mkdir()
+    with pytest.raises(checkpoint.CheckpointError, match="c.pt: is a directory, not a "
+                       "checkpoint file"):
+        checkpoint.load_checkpoint(tmp_path / "c.pt")
+    with pytest.raises(IsADirectoryError) as error:
+        checkpoint.save_checkpoint(tmp_path / "c.pt", state())
+    assert error.value.filename == str(tmp_path / "c.pt")
+    assert checkpoint.describe(error.value) == "is a directory"
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_a_failed_write_names_the_file_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    import errno
+
+    path = tmp_path / "c.pt"
+    checkpoint.save_checkpoint(path, state(1.0))
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as error:
+        checkpoint.save_checkpoint(path, state(5.0))
+    monkeypatch.undo()
+    assert error.value.errno == errno.ENOSPC and error.value.filename == str(path)
+    assert checkpoint.describe(error.value) == "no space left on device"
+    assert os.listdir(tmp_path) == ["c.pt"]
+    assert torch.equal(checkpoint.load_checkpoint(path)["model"]["w"], torch.ones(3, 2))
 
 
 def test_average(tmp_path):
@@ -134,6 +199,17 @@ def test_average_command(tmp_path):
     result = run_average("--dir", tmp_path, "--last", 2, "--output", out)
     assert result.returncode == 0, result.stderr
     assert torch.equal(checkpoint.load_checkpoint(out)["model"]["w"], torch.full((3, 2), 4.0))
+
+
+def test_average_command_refuses_a_directory_as_output_in_one_line(tmp_path):
+    checkpoint.save_numbered(tmp_path, state(step=1), 1, keep=5)
+    (tmp_path / "out").mkdir()
+    result = run_average("--dir", tmp_path, "--output", tmp_path / "out")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"--output {tmp_path / 'out'} is a directory; give the averaged checkpoint a file " \
+        "name" in result.stderr.splitlines()[-1]
+    result = run_average("--dir", tmp_path / "none", "--output", tmp_path / "avg.pt")
+    assert result.returncode == 2 and "no such directory" in result.stderr.splitlines()[-1]
 
 
 def test_average_command_reports_a_damaged_file(tmp_path):

@@ -227,7 +227,7 @@ def test_save_dir_must_be_a_writable_directory(tmp_path, capsys):
     (tmp_path / "file").touch()
     with pytest.raises(SystemExit):
         parse_args(["--save-dir", str(tmp_path / "file" / "run")])
-    assert f"{tmp_path / 'file'} is not a writable directory" in capsys.readouterr().err
+    assert f"{tmp_path / 'file'} is a file, not a directory" in capsys.readouterr().err
 
 
 def test_help_shows_defaults_and_paper_values(capsys):

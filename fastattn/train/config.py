@@ -96,6 +96,7 @@ class TrainConfig:
     metrics: str
     plot: str | None
     no_progress: bool
+    overwrite: bool = False  # a flag, but with a default: configs saved before it lack it
     # not flags
     given: tuple[str, ...] = ()
     """The flags given on the command line, told apart from defaults (--resume compares them)."""

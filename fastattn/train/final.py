@@ -3,6 +3,7 @@ BLEU reported; and the training curves."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Sequence
@@ -12,6 +13,7 @@ from typing import Any
 from fastattn import checkpoint, evaluate
 from fastattn.ensemble import Ensemble
 from fastattn.model import Transformer
+from fastattn.train import savedir
 from fastattn.train.evaluation import bleu_scores, translate
 from fastattn.train.run import Run
 
@@ -21,11 +23,13 @@ def finish(run: Run) -> None:
     if not run.main:
         return
     args = run.args
-    paths = checkpoint.list_checkpoints(args.save_dir)[-args.average_last:]
+    # the run's own: a numbered checkpoint past its end is not
+    paths = [p for p in checkpoint.list_checkpoints(args.save_dir)
+             if checkpoint.step_of(p) <= run.step][-args.average_last:]
     score_final(run, checkpoint.average_checkpoints(paths), Path(args.save_dir),
                 Path(args.metrics), f"averaged the last {len(paths)} checkpoints")
     if args.plot:
-        plot_metrics([args.metrics], args.plot)
+        run.guarded(plot_metrics, [args.metrics], args.plot)
         run.log(f"training curves: {args.plot}")
 
 
@@ -35,12 +39,13 @@ def score_final(run: Run, state: dict[str, Any], save_dir: Path, metrics: Path,
     (stored in the checkpoint for translate) and reports its test BLEU under beam search."""
     args = run.args
     final = save_dir / "checkpoint_final.pt"
-    checkpoint.save_checkpoint(final, state)
+    run.guarded(savedir.drop_final_records, metrics, run.log)  # a resumed run scores anew
+    run.guarded(checkpoint.save_checkpoint, final, state)
     run.log(f"{made} into {final}")
     model, sp, _ = checkpoint.load_model(final, run.device)
     alpha = choose_alpha(run, model, sp, metrics)
     state["meta"]["alpha"] = alpha
-    checkpoint.save_checkpoint(final, state)
+    run.guarded(checkpoint.save_checkpoint, final, state)
     name = "test" if "test" in run.splits else "valid"
     split = run.splits[name]
     started = time.time()
@@ -50,7 +55,7 @@ def score_final(run: Run, state: dict[str, Any], save_dir: Path, metrics: Path,
     scores = bleu_scores(hyps, split, args.tgt)
     ratio, _ = evaluate.length_ratio(hyps, split.text.tgt)  # final report only, not dev evals
     output = save_dir / f"{name}.hyp.{args.tgt}"
-    output.write_text("\n".join(hyps) + "\n", encoding="utf-8")
+    run.guarded(checkpoint.write_atomically, output, [("\n".join(hyps) + "\n").encode()])
     run.write_metrics({"step": run.step, f"{name}_bleu": scores["bleu"],
                        f"{name}_tok_bleu": scores["tok_bleu"], "alpha": alpha,
                        f"{name}_length_ratio": ratio,
@@ -96,7 +101,10 @@ def plot_metrics(metrics: Sequence[str | Path], png: str | Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for k, log in enumerate(metrics):
-        records = [json.loads(line) for line in Path(log).read_text().splitlines()]
+        records = []
+        for line in Path(log).read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):  # a line a kill cut short
+                records.append(json.loads(line))
         train = [r for r in records if "loss" in r]
         dev = [r for r in records if "dev_bleu" in r]
         who = f"member {k + 1} " if len(metrics) > 1 else ""

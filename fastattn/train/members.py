@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import multiprocessing
@@ -19,6 +20,7 @@ import torch
 
 from fastattn import checkpoint
 from fastattn._extras import MissingExtraError
+from fastattn.train import savedir, signals
 from fastattn.train.config import TrainConfig
 from fastattn.train.final import finish, plot_metrics, score_final
 from fastattn.train.precision import pick_precision
@@ -95,11 +97,25 @@ def share_precision(args: TrainConfig, members: Sequence[TrainConfig]) -> list[T
     torchrun = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if args.precision != "auto" or args.device != "cpu" or torchrun:
         return list(members)
-    autocast, _, why = pick_precision("auto", torch.device("cpu"))
-    name = "fp32" if autocast is None else "bf16"
+    kept = args.resume and next(filter(None, map(saved_precision, members)), None)
+    if kept:  # resumed: the precision the members began in, not measured again
+        name, why = kept, "the checkpoints' precision, kept on resume"
+    else:
+        autocast, _, why = pick_precision("auto", torch.device("cpu"))
+        name = "fp32" if autocast is None else "bf16"
     print(f"every member trains in {name} ({why})", flush=True)
-    return [replace(member, precision=name, precision_why="measured once for every member")
-            for member in members]
+    return [replace(member, precision=name, precision_why=why if kept else
+                    "measured once for every member") for member in members]
+
+
+def saved_precision(member: TrainConfig) -> str | None:
+    """The precision a member's run trained in, from the checkpoint it would resume from."""
+    with contextlib.suppress(checkpoint.CheckpointError):
+        _, state = savedir.resume_point(member.save_dir, lambda message: None,
+                                        move_corrupt=False)
+        if state is not None:
+            return state["meta"].get("precision")
+    return None
 
 
 class Stopped(Exception):
@@ -154,6 +170,9 @@ def _member_job(members: Sequence[TrainConfig], stints: Sequence[Stint], job: in
                 jobs: int, shared: Shared, parent: int, bar_lock) -> None:
     """A child process's stints. It ends when the run's process does, however that ends
     (Linux: SIGTERM on the parent's death, even by SIGKILL); checkpoints are atomic."""
+    # Signals come from the parent, which passes its own on: out of the terminal's process
+    # group, a Ctrl-C reaches this process once, not twice (a second would stop it at once).
+    os.setpgid(0, 0)
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
@@ -162,13 +181,13 @@ def _member_job(members: Sequence[TrainConfig], stints: Sequence[Stint], job: in
     if bar_lock is not None:
         tqdm.set_lock(bar_lock)
     try:
-        with one_line_errors():
+        with signals.handled(quiet=True), one_line_errors():
             train_stints(members, stints, job, jobs, shared)
     except Stopped:
         sys.exit(1)
-    except KeyboardInterrupt:
+    except signals.Interrupted as e:  # its checkpoint is saved; the parent says how to go on
         shared.failed.set()
-        sys.exit(130)
+        sys.exit(e.code)
     except BaseException:
         shared.failed.set()
         raise
@@ -203,21 +222,31 @@ def train_ensemble(args: TrainConfig) -> Run:
     def child_failed() -> bool:
         return any(child.exitcode not in (None, 0) for child in children)
 
+    interrupted = None
     try:
-        try:
-            run = train_stints(members, plan[0], 0, jobs, shared, child_failed)
-        except Stopped:
-            run = None
-        while any(child.is_alive() for child in children):
+        with signals.forwarding([child.pid for child in children]):
+            try:
+                run = train_stints(members, plan[0], 0, jobs, shared, child_failed)
+            except Stopped:
+                run = None
+            while any(child.is_alive() for child in children):
+                for child in children:
+                    child.join(1.0)
+                if child_failed():  # a child waiting to carry on a failed one's member stops
+                    shared.failed.set()
+    except signals.Interrupted as e:  # passed on to the children: they save too
+        interrupted = e
+    finally:  # this process failed: stop the others (SIGTERM: each saves its checkpoint)
+        with signals.forwarding([child.pid for child in children]):
             for child in children:
-                child.join(1.0)
-            if child_failed():  # a child waiting to carry on a failed one's member stops too
-                shared.failed.set()
-    finally:  # this process failed: stop the others (their checkpoints stay)
-        for child in children:
-            if child.is_alive():
-                child.terminate()
+                if child.is_alive() and interrupted is None:
+                    child.terminate()
                 child.join()
+    if interrupted is not None and children:
+        raise signals.Interrupted(interrupted.signum, done="each member saved a checkpoint "
+                                  "(the lines above name them)")
+    if interrupted is not None:
+        raise interrupted
     failed = [] if shared is None else [k + 1 for k, done in enumerate(shared.finished) if not done]
     if failed:
         raise SystemExit(f"error: ensemble member{'s' * (len(failed) > 1)} "
@@ -230,6 +259,6 @@ def train_ensemble(args: TrainConfig) -> Run:
         score_final(run, checkpoint.ensemble_checkpoints(finals), Path(args.save_dir),
                     Path(args.metrics), f"an ensemble of the {len(finals)} members' models")
         if args.plot:
-            plot_metrics([m.metrics for m in members], args.plot)
+            run.guarded(plot_metrics, [m.metrics for m in members], args.plot)
             run.log(f"training curves: {args.plot}")
     return run

@@ -23,6 +23,8 @@ class TrainingPairs:
     def __init__(self, args: TrainConfig, train: Split, sp: Any, rank: int, world: int,
                  log: Callable[[str], None]) -> None:
         self.args, self.rank = args, rank
+        self.output_size: int | None = None
+        """Set where targets may lie outside the output vocabulary: those become <unk>."""
         keep, counts = data.filter_by_length(train.src_ids, train.tgt_ids, args.max_len,
                                              args.max_len_ratio)
         log(f"training pairs: {counts['kept']} kept, {counts['too_long']} dropped as "
@@ -89,6 +91,8 @@ class TrainingPairs:
             src = self.bpe_dropout.sample(indices, rng)
             tgt = self.bpe_dropout.sample(partners, rng)
         source, inputs, targets = data.collate(src, tgt, range(len(indices)))
+        if self.output_size is not None:  # the model can only predict <unk> for these
+            targets.masked_fill_(targets >= self.output_size, data.UNK_ID)
         if self.args.word_dropout > 0:  # the targets stay: the model still predicts every word
             source = data.drop_words(source, self.args.word_dropout, rng)
             inputs = data.drop_words(inputs, self.args.word_dropout, rng)

@@ -8,7 +8,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fastattn import checkpoint, data
 from fastattn._extras import MissingExtraError
 from fastattn.model import Transformer, TransformerConfig
+from fastattn.train import savedir, signals
 from fastattn.train.config import (
     TrainConfig,
     config_meta,
@@ -84,25 +85,15 @@ class Run:
         # recompiled kernels all run long (measured: a fifth slower, and a growing heap). Read
         # when oneDNN first runs, below; a user's own setting wins.
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "8192")
-        self.autocast, use_scaler, why = pick_precision(args.precision, self.device)
-        why = args.precision_why or why  # measured once for every member
-        if self.distributed and self.device.type == "cpu":  # each rank measured: rank 0 decides
-            use_bf16 = torch.tensor([self.autocast is not None])
-            dist.broadcast(use_bf16, 0)
-            self.autocast = torch.bfloat16 if use_bf16.item() else None
-        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
-        precision = {None: "fp32", torch.bfloat16: "bf16 autocast",
-                     torch.float16: "fp16 autocast with dynamic loss scaling"}[self.autocast]
-        self.log(f"device {self.device}, {torch.get_num_threads()} threads per process, "
-                 f"{precision} ({why})")
-
-        resume = checkpoint.list_checkpoints(args.save_dir)[-1:] if args.resume else []
-        if args.resume and not resume:
-            self.log(f"--resume: no checkpoint in {args.save_dir} yet, starting afresh")
-        state = checkpoint.load_checkpoint(resume[0]) if resume else None
+        resume, state = None, None
+        if args.resume:
+            resume, state = savedir.resume_point(args.save_dir, self.log, move_corrupt=self.main)
+            if resume is None:
+                self.log(f"--resume: no checkpoint in {args.save_dir} yet, starting afresh")
+        self.pick_precision(state, resume)
 
         if state is not None:
-            for note in resume_notes(args, state, resume[0]):
+            for note in resume_notes(args, state, resume):
                 self.log(note)
             # A resumed run keeps the text processing its vocabulary was built for.
             truecase = saved_flags(state["meta"]).get("truecase", False)
@@ -126,18 +117,27 @@ class Run:
             outside = sum(i >= config.output_size for ids in dev for i in ids)
             self.log(f"dev: {outside} of {sum(map(len, dev))} target pieces are outside the "
                      "output vocabulary (the dev loss counts them as <unk>)")
+            if state is not None:  # the text may be new: other pieces than the vocabulary's
+                self.map_outside_targets(config.output_size)
         # fused: one kernel over all parameters, not a loop of small ops per tensor
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.0,
                                           betas=args.adam_betas, eps=args.adam_eps,
                                           fused=True)
         self.step, self.epoch, self.epoch_step, self.bad_steps = 0, 0, 0, 0
+        self.saved_step, self.last_checkpoint = 0, None
         if state is not None:
             self.restore(state)
-            self.forget_metrics_after(self.step)
-            self.log(f"resumed from {resume[0]} at update {self.step} "
+            # An interrupted checkpoint is not among those the final model averages: if the
+            # run ends here, the end is saved as a numbered checkpoint too.
+            self.saved_step = self.step if checkpoint.NAME.fullmatch(resume.name) else -1
+            self.last_checkpoint = resume
+            signals.note_checkpoint(resume)
+            self.log(f"resumed from {resume} at update {self.step} "
                      f"(epoch {self.epoch}, batch {self.epoch_step})")
         else:
             torch.manual_seed(args.seed + self.rank)  # dropout differs between ranks
+        if args.resume and self.main:  # what a killed run logged after its checkpoint goes
+            self.guarded(savedir.trim_metrics, args.metrics, self.step, self.log)
         loss_module = LossModule(self.model, args.rdrop)
         if self.distributed:
             devices = [self.device.index] if self.device.type == "cuda" else None
@@ -145,6 +145,48 @@ class Run:
         else:
             self.trainer = loss_module
         self.last_save = time.time()
+
+    def pick_precision(self, state: dict[str, Any] | None, resume: Path | None) -> None:
+        """The autocast dtype and loss scaler: a resumed run keeps the precision its
+        checkpoint trained in (--precision auto is not measured again: a busier machine could
+        choose otherwise), unless --precision names another."""
+        args = self.args
+        saved = None
+        if state is not None:
+            saved = state["meta"].get("precision")
+            if saved is None and saved_flags(state["meta"]).get("precision") != "auto":
+                saved = saved_flags(state["meta"]).get("precision")  # asked for by name
+        name = args.precision
+        if saved is not None and name == "auto":
+            name, why = saved, f"kept from {resume.name}"
+        elif saved is not None and name != saved:
+            self.log(f"--resume: --precision {name} instead of the checkpoint's {saved}; the run "
+                     "goes on with it, so it is no longer the uninterrupted run's")
+        self.autocast, use_scaler, measured = pick_precision(name, self.device)
+        if name == args.precision:
+            why = args.precision_why or measured  # measured once for every member
+        if self.distributed and self.device.type == "cpu":  # each rank measured: rank 0 decides
+            use_bf16 = torch.tensor([self.autocast is not None])
+            dist.broadcast(use_bf16, 0)
+            self.autocast = torch.bfloat16 if use_bf16.item() else None
+        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
+        self.precision = {None: "fp32", torch.bfloat16: "bf16",
+                          torch.float16: "fp16"}[self.autocast]
+        precision = {"fp32": "fp32", "bf16": "bf16 autocast",
+                     "fp16": "fp16 autocast with dynamic loss scaling"}[self.precision]
+        self.log(f"device {self.device}, {torch.get_num_threads()} threads per process, "
+                 f"{precision} ({why})")
+
+    def map_outside_targets(self, output_size: int) -> None:
+        """Resumed on other training text: its target pieces outside the output vocabulary
+        (the target side of the text the run began with) become <unk>, as in the dev loss."""
+        train = self.splits["train"]
+        targets = train.tgt_ids + train.src_ids * bool(self.args.bidirectional)
+        outside = sum(i >= output_size for ids in targets for i in ids)
+        if outside:
+            self.training_pairs.output_size = output_size
+            self.log(f"training: {outside} of {sum(map(len, targets))} target pieces are "
+                     "outside the output vocabulary (new training text?): they train as <unk>")
 
     def log(self, message: str) -> None:
         if self.name:
@@ -169,6 +211,7 @@ class Run:
             "spm": self.spm_proto,
             "meta": {"step": self.step, "src": self.args.src, "tgt": self.args.tgt,
                      "data": self.args.data, "config": config_meta(self.args),
+                     "precision": self.precision,
                      "truecase": self.source_truecaser and self.source_truecaser.forms},
             "train": {
                 "optimizer": self.optimizer.state_dict(),
@@ -191,12 +234,35 @@ class Run:
         self.epoch_step, self.bad_steps = train["epoch_step"], train["bad_steps"]
         set_rng_state(train["rng"][self.rank])
 
-    def save(self) -> None:
+    def save(self, interrupted: bool = False) -> Path | None:
+        """A numbered checkpoint of this moment (rank 0 writes it; a collective under DDP), or
+        an interrupted one (checkpoint.save_numbered)."""
         state = self.state()
+        path = None
         if self.main:
-            path = checkpoint.save_numbered(self.args.save_dir, state, self.step, self.args.keep)
+            path = self.guarded(checkpoint.save_numbered, self.args.save_dir, state, self.step,
+                                self.args.keep, interrupted)
             self.log(f"saved {path}")
+            self.last_checkpoint = path
+            signals.note_checkpoint(path)
+        self.saved_step = self.step
         self.last_save = time.time()
+        return path
+
+    def guarded(self, write: Callable[..., Any], *args: Any) -> Any:
+        """write(*args), an OSError of which (a full disk, a read-only file system, a directory
+        where a file belongs) ends the run with one line naming the file, the cause and the
+        run's last good checkpoint (WriteError)."""
+        try:
+            return write(*args)
+        except OSError as e:
+            if self.last_checkpoint is not None:
+                kept = (f"its last good checkpoint is {self.last_checkpoint} (--resume "
+                        "continues from it)")
+            else:
+                kept = "no checkpoint was saved yet"
+            raise WriteError(f"cannot write {e.filename or 'a file'}: {checkpoint.describe(e)};"
+                             f" the run stopped at update {self.step}, {kept}") from None
 
     def save_due(self) -> bool:
         args = self.args
@@ -234,9 +300,20 @@ class Run:
             args.max_epochs > 0 and self.epoch >= args.max_epochs
         )
 
+    def stop_requested(self) -> int | None:
+        """The signal that asked the run to stop (signals.deferred), if any; under DDP any
+        rank's, so that every rank stops after the same update (a collective)."""
+        signum = signals.requested()
+        if self.distributed:
+            flag = torch.tensor([signum or 0], device=self.device)
+            dist.all_reduce(flag, dist.ReduceOp.MAX)
+            signum = int(flag.item()) or None
+        return signum
+
     def train(self, until: int | None = None) -> None:
         """Trains to the end, or pauses after update `until` with a checkpoint there (an ensemble
-        member whose updates two jobs share)."""
+        member whose updates two jobs share). SIGINT or SIGTERM: saves after the update in
+        flight and raises signals.Interrupted."""
         args = self.args
         if self.main and not args.no_progress:
             self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
@@ -244,78 +321,73 @@ class Run:
         self.model.train()
         window = new_window()
         updates = self.updates()
-        while not self.finished() and (until is None or self.step < until):
-            batches = next(updates)
-            lr = learning_rate(self.step + 1, self.config.d_model, args.warmup, args.lr_scale)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            result = train_step(self.trainer, self.optimizer, batches,
-                                autocast_dtype=self.autocast,
-                                scaler=self.scaler, clip_norm=args.clip_norm)
-            if not result.ok:
-                self.bad_steps += 1
-                self.log(f"update {self.step + 1}: NaN/inf gradients, update skipped "
-                         f"({self.bad_steps} in a row)")
-                if self.bad_steps >= args.max_bad_steps:
-                    raise SystemExit(f"error: {self.bad_steps} updates in a row had NaN/inf "
-                                     "gradients; stopping (lower --lr-scale, enable "
-                                     "--clip-norm or use --precision fp32)")
-                continue
-            self.bad_steps = 0
-            self.step += 1
-            if self.step == args.bidirectional:  # BiT's tuning phase: source->target only
-                self.epoch, self.epoch_step = self.epoch + (self.epoch_step > 0), 0
-                updates = self.updates()
-                self.log(f"update {self.step}: bidirectional phase over, source->target from "
-                         f"here (epoch {self.epoch})")
-            window["loss"] += result.loss * result.tokens
-            window["nll"] += result.nll * result.tokens
-            window["tokens"] += result.tokens
-            window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in batches)
-            if self.step % args.log_every == 0 or self.finished():
-                elapsed = time.time() - window["time"]
-                loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
-                record = {"step": self.step, "epoch": self.epoch, "loss": loss, "nll": nll,
-                          "ppl": math.exp(min(nll, 50)), "lr": lr,
-                          "tok_per_s": window["batch_tokens"] * self.world / elapsed,
-                          "grad_norm": result.grad_norm, "time": time.time()}
-                self.write_metrics(record)
+        with signals.deferred():
+            while not self.finished() and (until is None or self.step < until):
+                if self.stop_requested():
+                    break
+                batches = next(updates)
+                lr = learning_rate(self.step + 1, self.config.d_model, args.warmup, args.lr_scale)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                result = train_step(self.trainer, self.optimizer, batches,
+                                    autocast_dtype=self.autocast,
+                                    scaler=self.scaler, clip_norm=args.clip_norm)
+                if not result.ok:
+                    self.bad_steps += 1
+                    self.log(f"update {self.step + 1}: NaN/inf gradients, update skipped "
+                             f"({self.bad_steps} in a row)")
+                    if self.bad_steps >= args.max_bad_steps:
+                        raise SystemExit(f"error: {self.bad_steps} updates in a row had NaN/inf "
+                                         "gradients; stopping (lower --lr-scale, enable "
+                                         "--clip-norm or use --precision fp32)")
+                    continue
+                self.bad_steps = 0
+                self.step += 1
+                if self.step == args.bidirectional:  # BiT's tuning phase: source->target only
+                    self.epoch, self.epoch_step = self.epoch + (self.epoch_step > 0), 0
+                    updates = self.updates()
+                    self.log(f"update {self.step}: bidirectional phase over, source->target "
+                             f"from here (epoch {self.epoch})")
+                window["loss"] += result.loss * result.tokens
+                window["nll"] += result.nll * result.tokens
+                window["tokens"] += result.tokens
+                window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in batches)
+                if self.step % args.log_every == 0 or self.finished():
+                    elapsed = time.time() - window["time"]
+                    loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
+                    record = {"step": self.step, "epoch": self.epoch, "loss": loss, "nll": nll,
+                              "ppl": math.exp(min(nll, 50)), "lr": lr,
+                              "tok_per_s": window["batch_tokens"] * self.world / elapsed,
+                              "grad_norm": result.grad_norm, "time": time.time()}
+                    self.write_metrics(record)
+                    if self.bar is not None:
+                        self.bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
+                                             lr=f"{lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
+                                             epoch=self.epoch)
+                    window = new_window()
                 if self.bar is not None:
-                    self.bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
-                                         lr=f"{lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
-                                         epoch=self.epoch)
-                window = new_window()
+                    self.bar.update(1)
+                if args.eval_every and self.step % args.eval_every == 0:
+                    self.validate()
+                if self.save_due():
+                    self.save()
             if self.bar is not None:
-                self.bar.update(1)
-            if args.eval_every and self.step % args.eval_every == 0:
-                self.validate()
-            if self.save_due():
-                self.save()
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-        if args.save_every == 0 or self.step % args.save_every:
-            self.save()  # the final state, if the last update did not just save it
-
-    def forget_metrics_after(self, step: int) -> None:
-        """Drops the log records a killed run wrote after its last checkpoint: the resumed run
-        writes them again."""
-        path = Path(self.args.metrics)
-        if not self.main or not path.exists():
-            return
-        lines = path.read_text().splitlines(keepends=True)
-        # A kill may have cut the last line short: it has no newline and is dropped too.
-        path.write_text("".join(line for line in lines
-                                if line.endswith("\n") and json.loads(line)["step"] <= step))
+                self.bar.close()
+                self.bar = None
+            stopped = self.stop_requested()
+            at_end = self.finished() or (until is not None and self.step >= until)
+            saved = None
+            if self.step != self.saved_step:  # the last update did not just save
+                saved = self.save(interrupted=bool(stopped) and not at_end)
+        if stopped:
+            raise signals.Interrupted(stopped, saved or self.last_checkpoint, self.step)
 
     def write_metrics(self, record: dict[str, Any], path: Path | None = None) -> None:
         """Appends a record to the metrics log (rank 0), or to `path`."""
         if not self.main:
             return
-        path = path or Path(self.args.metrics)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.guarded(savedir.append_line, path or Path(self.args.metrics),
+                     json.dumps(record) + "\n")
 
     def validate(self) -> None:
         """Dev loss and greedy dev BLEU (rank 0; the others wait)."""
@@ -342,11 +414,25 @@ class Run:
 
 
 
+class WriteError(RuntimeError):
+    """A file the run could not write; the message names it, the cause and the last good
+    checkpoint."""
+
+
 @contextlib.contextmanager
 def one_line_errors() -> Iterator[None]:
-    """Bad data and bad checkpoints end the process with one `error: ...` line and status 2."""
+    """Bad data, bad checkpoints and an unusable save directory end the process with one
+    `error: ...` line and status 2; files that cannot be written (WriteError, OSError) with one
+    line and status 1."""
     try:
         yield
-    except (data.DataError, checkpoint.CheckpointError) as e:
+    except (data.DataError, checkpoint.CheckpointError, savedir.SaveDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except WriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{checkpoint.describe(e)}", file=sys.stderr)
+        sys.exit(1)
