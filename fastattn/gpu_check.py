@@ -1,0 +1,674 @@
+"""python -m fastattn.gpu_check: fastattn's self-check and benchmark on one CUDA GPU, in at most
+about 9 minutes, with only what such a machine has (CUDA torch and Triton; nothing downloaded).
+
+Stages run in order, each within its own time budget, and the report (report.json and report.md
+under --out) is rewritten as each one ends, so a run cut short keeps what it measured:
+
+  environment   versions, the GPU, fastattn.info's dispatch table
+  correctness   every op x dtype (fp16, bf16, fp32, fp32 with tf32) x variant, forward and every
+                gradient, against fp64; graded relative to PyTorch's own error in the same dtype
+  determinism   two backward passes (and dropout from one seed) bit for bit
+  large         B x H > 65,535 heads, and offsets past 2**31 elements
+  attention     fastattn against SDPA's backends (flash, efficient, cuDNN) and flash_attn if
+                installed: ms and TFLOP/s, forward and forward + backward
+  fused         LayerNorm + residual, cross-entropy and linear cross-entropy against eager
+                PyTorch: ms, GB/s, peak memory
+  training      base and big training steps: time, launches, GPU-busy fraction, MFU, beside the
+                paper's 0.4 s and 1.0 s (8 P100s)
+  decoding      beam search on the GPU against the CPU: the same translations
+  registers     registers and spills of every kernel the JIT built, against the compile report
+
+--dry-run runs every stage at tiny shapes on the CPU with the kernels in Triton's interpreter (CI
+runs it, so the check cannot rot); its figures mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+if "--dry-run" in sys.argv[1:] and os.environ.get("TRITON_INTERPRET") != "1":
+    # The interpreter must be chosen before triton is imported: start again with it.
+    os.execvpe(sys.executable, [sys.executable, "-m", "fastattn.gpu_check", *sys.argv[1:]],
+               {**os.environ, "TRITON_INTERPRET": "1", "FASTATTN_BACKEND": "triton"})
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import fastattn  # noqa: E402
+from fastattn import ops  # noqa: E402
+from fastattn.cli import ArgumentParser  # noqa: E402
+from fastattn.ops.attention import attention_reference  # noqa: E402
+from fastattn.ops.cross_entropy import cross_entropy_reference  # noqa: E402
+from fastattn.ops.layer_norm import layer_norm_residual_reference  # noqa: E402
+
+PAPER_STEP_SECONDS = {"base": 0.4, "big": 1.0}  # 8 P100s, about 25k + 25k tokens per step
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense, datasheets
+COMPILE_REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_report.json"
+
+
+@dataclass
+class Check:
+    device: torch.device
+    dry_run: bool
+    out: Path
+    report: dict[str, Any] = field(default_factory=dict)
+    deadline: float = 0.0  # of the stage running
+
+    def time_left(self) -> bool:
+        return time.monotonic() < self.deadline
+
+    def write(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name, text in (("report.json", json.dumps(self.report, indent=1, default=str)),
+                           ("report.md", markdown(self.report))):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text)
+            os.replace(tmp, self.out / name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring
+# ---------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds(fn: Callable[[], object], device: torch.device, budget: float = 0.3) -> float:
+    """The median time of one call, after two untimed ones, over calls filling about `budget`;
+    on the CPU (the dry run, where figures mean nothing) one call."""
+    if device.type == "cpu":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    for _ in range(2):
+        fn()
+    synchronize(device)
+    times: list[float] = []
+    end = time.monotonic() + budget
+    while len(times) < 3 or (time.monotonic() < end and len(times) < 200):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
+    scale = reference.abs().max().clamp(min=1e-30)
+    return float(((x.double() - reference).abs().max() / scale).nan_to_num(float("inf")))
+
+
+def graded(name: str, ours: list[torch.Tensor], torchs: list[torch.Tensor],
+           references: list[torch.Tensor], dtype_name: str, **row: Any) -> dict[str, Any]:
+    """A correctness row: fastattn's worst relative error over outputs and gradients against
+    PyTorch's own in the same dtype; it passes within 2x PyTorch's error (floor 1e-5)."""
+    ours_err = max(relative_error(a, r) for a, r in zip(ours, references, strict=True))
+    torch_err = max(relative_error(a, r) for a, r in zip(torchs, references, strict=True))
+    return dict(op=name, dtype=dtype_name, **row, fastattn_error=ours_err, torch_error=torch_err,
+                passed=ours_err <= 2 * torch_err + 1e-5)
+
+
+DTYPES = {"fp16": (torch.float16, False), "bf16": (torch.bfloat16, False),
+          "fp32": (torch.float32, False), "fp32+tf32": (torch.float32, True)}
+
+
+def tf32(allowed: bool):
+    class Setting:
+        def __enter__(self):
+            self.before = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = allowed
+
+        def __exit__(self, *exc):
+            torch.backends.cuda.matmul.allow_tf32 = self.before
+
+    return Setting()
+
+
+def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor):
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    out.backward(grad.to(out.dtype))
+    return [out.detach(), *(x.grad for x in leaves)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------
+
+
+def environment(check: Check) -> list[dict[str, Any]]:
+    import triton
+
+    from fastattn.info import dispatch_table
+
+    env: dict[str, Any] = dict(device=device_name(check), python=platform.python_version(),
+                               torch=torch.__version__, cuda=torch.version.cuda,
+                               triton=triton.__version__, fastattn=fastattn.__version__,
+                               native_extension=fastattn.native is not None)
+    if check.device.type == "cuda":
+        props = torch.cuda.get_device_properties(check.device)
+        env.update(capability=f"{props.major}.{props.minor}", sms=props.multi_processor_count,
+                   memory_gib=round(props.total_memory / 2**30, 1))
+        try:
+            env["driver, max SM clock"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm",
+                 "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+        except OSError as e:
+            env["driver, max SM clock"] = f"nvidia-smi: {e.strerror}"
+    rows = [dict(item=key, value=value) for key, value in env.items()]
+    rows += [dict(item=f"runs {op} {dt} {mode}", value=impl)
+             for op, dev, dt, mode, impl in dispatch_table() if dev == check.device.type]
+    return rows
+
+
+def attention_variants(check: Check) -> list[tuple[str, int, int, int, Any, str]]:
+    """(name, Lq, Lk, D, causal, mask kind) of what the model and the drop-in launch."""
+    lengths = (17,) if check.dry_run else (97, 1023)
+    d = 16 if check.dry_run else 64
+    rows = []
+    for length in lengths:
+        rows += [("self, key padding", length, length, d, False, "key"),
+                 ("decoder, causal", length, length, d, True, None),
+                 ("cross, key padding", length // 2 + 1, length, d, False, "key"),
+                 ("bool mask per query", length, length, d, False, "bool"),
+                 ("float mask", length, length, d, False, "float"),
+                 ("bottom-right causal", length // 2 + 1, length, d, "bottom_right", None)]
+    wide = 32 if check.dry_run else 128
+    rows += [(f"self, key padding, d={wide}", lengths[0], lengths[0], wide, False, "key"),
+             (f"decoder, causal, d={wide}", lengths[0], lengths[0], wide, True, None),
+             ("one query", 1, lengths[0], d, False, "key")]
+    return rows
+
+
+def make_mask(kind: str | None, b: int, lq: int, lk: int, device: torch.device):
+    if kind is None:
+        return None
+    if kind == "key":
+        mask = torch.rand(b, 1, 1, lk, device=device) > 0.3
+    else:
+        mask = torch.rand(b, 1, lq, lk, device=device) > 0.3
+    mask[..., 0] = True  # no empty rows: SDPA gives those NaN, fastattn zeros (documented)
+    if kind == "float":
+        return torch.randn(b, 1, lq, lk, device=device)
+    return mask
+
+
+def sdpa_mask(mask, causal, lq, lk, device):
+    """The mask SDPA takes for fastattn's (mask, causal), bottom-right alignment spelt out."""
+    if causal != "bottom_right":
+        return mask
+    allowed = torch.ones(lq, lk, dtype=torch.bool, device=device).tril(lk - lq)
+    return allowed if mask is None else mask & allowed
+
+
+def attention_case(check: Check, name: str, lq: int, lk: int, d: int, causal: Any,
+                   kind: str | None) -> list[dict[str, Any]]:
+    dev = check.device
+    b, h = (2, 3) if check.dry_run else (3, 4)
+    mask64 = make_mask(kind, b, lq, lk, dev)
+    q, k, v = (torch.randn(b, h, n, d, device=dev, dtype=torch.float64) for n in (lq, lk, lk))
+    grad = torch.randn(b, h, lq, d, device=dev, dtype=torch.float64)
+    reference = fwd_bwd(lambda q, k, v: attention_reference(
+        q, k, v, causal=causal, attn_mask=mask64), [q, k, v], grad)
+    rows = []
+    for dtype_name, (dtype, allow_tf32) in DTYPES.items():
+        mask = mask64 if mask64 is None or mask64.dtype == torch.bool else mask64.to(dtype)
+        torch_mask = sdpa_mask(mask, causal, lq, lk, dev)
+        cast = [x.to(dtype) for x in (q, k, v)]
+        with tf32(allow_tf32):
+            ours = fwd_bwd(partial(ops.attention, causal=causal, attn_mask=mask), cast, grad)
+            pytorch = fwd_bwd(partial(F.scaled_dot_product_attention, attn_mask=torch_mask,
+                                      is_causal=causal is True), cast, grad)
+        rows.append(graded("attention", ours, pytorch, reference, dtype_name, variant=name,
+                           shape=f"B={b} H={h} Lq={lq} Lk={lk} D={d}"))
+    return rows
+
+
+def layer_norm_case(check: Check, residual: bool) -> list[dict[str, Any]]:
+    dev = check.device
+    n, features = (33, 40) if check.dry_run else (4097, 1024)
+    x, r = (torch.randn(n, features, device=dev, dtype=torch.float64) for _ in range(2))
+    w, bias = (torch.randn(features, device=dev, dtype=torch.float64) for _ in range(2))
+    grad = torch.randn(n, features, device=dev, dtype=torch.float64)
+
+    def ln(fn, *args):  # (x, residual, weight, bias), or (x, weight, bias) without a residual
+        return fn(*args) if residual else fn(args[0], None, *args[1:])
+
+    def eager(x, r, w, b):
+        return F.layer_norm(x if r is None else x + r, (features,), w, b)
+
+    inputs = [x, r, w, bias] if residual else [x, w, bias]
+    reference = fwd_bwd(lambda *a: ln(layer_norm_residual_reference, *a)[0], inputs, grad)
+    rows = []
+    for dtype_name in ("fp16", "bf16", "fp32"):
+        cast = [t.to(DTYPES[dtype_name][0]) for t in inputs]
+        ours = fwd_bwd(lambda *a: ln(ops.layer_norm_residual, *a), cast, grad)
+        pytorch = fwd_bwd(lambda *a: ln(eager, *a), cast, grad)
+        rows.append(graded("layer_norm_residual", ours, pytorch, reference, dtype_name,
+                           variant="with residual" if residual else "no residual",
+                           shape=f"{n}x{features}"))
+    return rows
+
+
+def correctness(check: Check) -> list[dict[str, Any]]:
+    rows = []
+    for case in attention_variants(check):
+        if not check.time_left():
+            return rows
+        rows += attention_case(check, *case)
+    rows += layer_norm_case(check, residual=True) + layer_norm_case(check, residual=False)
+    return rows + cross_entropy_cases(check)
+
+
+def cross_entropy_cases(check: Check) -> list[dict[str, Any]]:
+    dev = check.device
+    n, vocab, width = (33, 97, 32) if check.dry_run else (4097, 37000, 512)
+    target = torch.randint(0, vocab, (n,), device=dev)
+    target[::7] = 0  # the ignored padding id
+    logits = torch.randn(n, vocab, device=dev, dtype=torch.float64) * 3
+    grad = torch.tensor(1.7, device=dev, dtype=torch.float64)
+    reference = fwd_bwd(lambda x: cross_entropy_reference(
+        x, target, 0.1, ignore_index=0)[0], [logits], grad)
+    hidden = torch.randn(n, width, device=dev, dtype=torch.float64)
+    weight = torch.randn(vocab, width, device=dev, dtype=torch.float64) * width**-0.5
+    linear_reference = fwd_bwd(lambda x, w: cross_entropy_reference(
+        x @ w.T, target, 0.1, ignore_index=0)[0], [hidden, weight], grad)
+    rows = []
+    for dtype_name, (dtype, allow_tf32) in DTYPES.items():
+        with tf32(allow_tf32):
+            ours = fwd_bwd(lambda x: ops.label_smoothed_cross_entropy(
+                x, target, 0.1, ignore_index=0), [logits.to(dtype)], grad)
+            pytorch = fwd_bwd(lambda x: F.cross_entropy(x, target, ignore_index=0,
+                                                        label_smoothing=0.1), [logits.to(dtype)],
+                              grad)
+            rows.append(graded("label_smoothed_cross_entropy", ours, pytorch, reference,
+                               dtype_name, variant="smoothing 0.1, padding ignored",
+                               shape=f"{n}x{vocab}"))
+            cast = [hidden.to(dtype), weight.to(dtype)]
+            ours = fwd_bwd(lambda x, w: ops.linear_cross_entropy(
+                x, w, target, smoothing=0.1, ignore_index=0), cast, grad)
+            pytorch = fwd_bwd(lambda x, w: F.cross_entropy(
+                x @ w.T, target, ignore_index=0, label_smoothing=0.1), cast, grad)
+            rows.append(graded("linear_cross_entropy", ours, pytorch, linear_reference,
+                               dtype_name, variant="smoothing 0.1, padding ignored",
+                               shape=f"{n}x{width} -> {vocab}"))
+    return rows
+
+
+def determinism(check: Check) -> list[dict[str, Any]]:
+    dev = check.device
+    b, h, length, d = (2, 2, 17, 16) if check.dry_run else (8, 8, 1023, 64)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(3))
+    grad = torch.randn_like(q)
+    mask = make_mask("key", b, length, length, dev)
+    rows = []
+    for name, kwargs in (("key padding", dict(attn_mask=mask)), ("causal", dict(causal=True)),
+                         ("key padding, dropout 0.1", dict(attn_mask=mask, dropout_p=0.1))):
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(7)
+            runs.append(fwd_bwd(partial(ops.attention, **kwargs), [q, k, v], grad))
+        rows.append(dict(op="attention", variant=name, dtype=str(dtype),
+                         bitwise_equal=all(torch.equal(a, b) for a, b in zip(*runs, strict=True))))
+    x = torch.randn(b * length, 512, device=dev, dtype=dtype)
+    w = torch.ones(512, device=dev, dtype=dtype)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(fwd_bwd(lambda x, r, w: ops.layer_norm_residual(x, r, w, None, dropout_p=0.1),
+                            [x, x.flip(0), w], x))
+    rows.append(dict(op="layer_norm_residual", variant="dropout 0.1", dtype=str(dtype),
+                     bitwise_equal=all(torch.equal(a, b) for a, b in zip(*runs, strict=True))))
+    return rows
+
+
+def large(check: Check) -> list[dict[str, Any]]:
+    dev = check.device
+    rows = []
+    dtype = torch.float16
+    b, h = (5, 3) if check.dry_run else (4097, 16)  # 65,552 heads past CUDA's 65,535 grid cap
+    q, k, v = (torch.randn(b, h, n, 64, device=dev, dtype=dtype) for n in (1, 3, 3))
+    grad = torch.randn_like(q)
+    mask = make_mask("key", b, 1, 3, dev)
+    ours = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, attn_mask=mask), [q, k, v], grad)
+    pytorch = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                      [q, k, v], grad)
+    reference = fwd_bwd(lambda q, k, v: attention_reference(q, k, v, attn_mask=mask),
+                        [x.double() for x in (q, k, v)], grad)
+    rows.append(graded("attention", ours, pytorch, reference, "fp16",
+                       variant=f"B x H = {b * h} heads", shape=f"B={b} H={h} Lq=1 Lk=3 D=64"))
+    # A query and a mask whose row 2 lies past element 2**31 of its buffer.
+    lq, lk, d, row = 3, 17, 64, 2**30 + 64
+
+    def far_apart(compact: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(row * (lq - 1) + compact.shape[-1], dtype=compact.dtype, device=dev)
+        return buffer.as_strided(compact.shape, (0, 0, row, 1)).copy_(compact)
+
+    q = torch.randn(1, 1, lq, d, device=dev, dtype=dtype)
+    k, v = (torch.randn(1, 1, lk, d, device=dev, dtype=dtype) for _ in range(2))
+    mask = make_mask("bool", 1, lq, lk, dev)
+    grad = torch.randn_like(q)
+    compact = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, attn_mask=mask), [q, k, v], grad)
+    far = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, attn_mask=far_apart(mask)),
+                  [far_apart(q), k, v], grad)
+    rows.append(dict(op="attention", variant="q and mask rows past 2**31 elements",
+                     dtype="fp16", bitwise_equal=all(torch.equal(a, b)
+                                                     for a, b in zip(compact, far, strict=True))))
+    return rows
+
+
+def attention_speed(check: Check) -> list[dict[str, Any]]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = check.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    systems: dict[str, Callable[..., torch.Tensor]] = {"fastattn": ops.attention}
+    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sdpa(q, k, v, causal=False, backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        systems[name] = sdpa
+    try:
+        from flash_attn import flash_attn_func
+
+        systems["flash_attn"] = lambda q, k, v, causal=False: flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    except ImportError:
+        pass
+    tokens = 256 if check.dry_run else 16384
+    lengths = (64,) if check.dry_run else (128, 512, 2048, 8192)
+    rows = []
+    for d in ((16,) if check.dry_run else (64, 128)):
+        heads = 1024 // d if not check.dry_run else 2
+        for length in lengths:
+            for causal in (False, True):
+                b = max(1, tokens // length)
+                q, k, v = (torch.randn(b, heads, length, d, device=dev, dtype=dtype,
+                                       requires_grad=True) for _ in range(3))
+                flop = 4 * b * heads * length * length * d * (0.5 if causal else 1.0)
+                for name, fn in systems.items():
+                    if not check.time_left():
+                        return rows
+                    row = dict(system=name, shape=f"B={b} H={heads} L={length} D={d}",
+                               causal=causal)
+                    rows.append(row | attention_timing(partial(fn, q, k, v, causal=causal),
+                                                       flop, dev))
+    return rows
+
+
+def attention_timing(call: Callable[[], torch.Tensor], flop: float,
+                     dev: torch.device) -> dict[str, Any]:
+    try:
+        with torch.no_grad():
+            fwd = seconds(call, dev)
+        both = seconds(lambda: call().sum().backward(), dev)
+    except RuntimeError as e:  # an SDPA backend that does not take the shape
+        return dict(error=str(e).splitlines()[0][:120])
+    # The backward is 2.5 forwards of matmul work (five products against two).
+    return dict(forward_ms=fwd * 1e3, forward_tflops=flop / fwd / 1e12, fwd_bwd_ms=both * 1e3,
+                fwd_bwd_tflops=3.5 * flop / both / 1e12)
+
+
+def fused_speed(check: Check) -> list[dict[str, Any]]:
+    dev = check.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    size = dtype.itemsize
+    n, features, vocab = (64, 40, 97) if check.dry_run else (8192, 1024, 37000)
+    x, r = (torch.randn(n, features, device=dev, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    w, b = (torch.ones(features, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    logits = torch.randn(n, vocab, device=dev, dtype=dtype, requires_grad=True)
+    hidden = torch.randn(n, 512, device=dev, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, 512, device=dev, dtype=dtype, requires_grad=True)
+    target = torch.randint(1, vocab, (n,), device=dev)
+    cases = {
+        "layer_norm_residual": (
+            lambda: ops.layer_norm_residual(x, r, w, b).sum().backward(),
+            lambda: F.layer_norm(x + r, (features,), w, b).sum().backward(),
+            7 * n * features * size),  # x, r, y read and written across both passes
+        "label_smoothed_cross_entropy": (
+            lambda: ops.label_smoothed_cross_entropy(logits, target, 0.1).backward(),
+            lambda: F.cross_entropy(logits, target, label_smoothing=0.1).backward(),
+            3 * n * vocab * size),
+        "linear_cross_entropy": (
+            lambda: ops.linear_cross_entropy(hidden, weight, target, smoothing=0.1).backward(),
+            lambda: F.cross_entropy(hidden @ weight.T, target, label_smoothing=0.1).backward(),
+            None),
+    }
+    rows = []
+    for name, (ours, eager, moved) in cases.items():
+        for system, fn in (("fastattn", ours), ("eager", eager)):
+            if not check.time_left():
+                return rows
+            t = seconds(fn, dev)
+            rows.append(dict(op=name, system=system, dtype=str(dtype), ms=t * 1e3,
+                             gb_per_s=moved / t / 1e9 if moved else None,
+                             peak_mib=(peak_bytes(fn, dev) or 0) / 2**20))
+    return rows
+
+
+def training(check: Check) -> list[dict[str, Any]]:
+    return [training_step(check, preset) for preset in ("base", "big")]
+
+
+def training_step(check: Check, preset: str) -> dict[str, Any]:
+    dev = check.device
+    cfg = fastattn.PRESETS[preset]
+    if check.dry_run:
+        cfg = replace(cfg, vocab_size=97, encoder_layers=1, decoder_layers=1, d_model=32,
+                      d_ff=64, heads=2)
+    model = fastattn.Transformer(cfg).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                 fused=dev.type == "cuda")
+    b, length = (4, 9) if check.dry_run else (125, 25)  # the paper's 3,125 + 3,125 per GPU
+    src = torch.randint(4, cfg.vocab_size, (b, length), device=dev)
+    tgt = torch.randint(4, cfg.vocab_size, (b, length + 1), device=dev)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
+                else nullcontext())
+
+    def step():
+        with autocast:
+            loss = model.loss(src, tgt[:, :-1], tgt[:, 1:], reduction="sum")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    t = seconds(step, dev, budget=0.5 if check.dry_run else 5.0)
+    launches = busy = None
+    if dev.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            synchronize(dev)
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        launches = len(kernels)
+        busy = sum(e.device_time for e in kernels) / 1e6 / t
+    params = sum(p.numel() for p in model.parameters())
+    flop = 6 * params * b * length  # the usual 6 N per token, attention's small share aside
+    peak = next((v for k, v in PEAK_BF16.items() if k in device_name(check)), None)
+    return dict(preset=preset, tokens=f"{b * length} + {b * length}", step_s=t,
+                paper_step_s=PAPER_STEP_SECONDS[preset], launches=launches, gpu_busy=busy,
+                mfu=flop / t / peak if peak else None)
+
+
+def decoding(check: Check) -> list[dict[str, Any]]:
+    cfg = replace(fastattn.PRESETS["base"], vocab_size=101, encoder_layers=2, decoder_layers=2,
+                  d_model=64, d_ff=128, heads=4, dropout=0.0)
+    torch.manual_seed(3)
+    model = fastattn.Transformer(cfg).eval()
+    src = torch.randint(4, 101, (6, 11))
+    src[3:, 8:] = cfg.pad_id
+    results = {}
+    for dev in dict.fromkeys([torch.device("cpu"), check.device]):
+        with torch.no_grad():
+            hyps = model.to(dev).beam_search(src.to(dev), beam_size=4, bos_id=2, eos_id=3,
+                                             max_len=20)
+        results[dev.type] = [h[0].tokens for h in hyps]
+    if len(results) == 1:  # the dry run: the CPU is the device
+        return [dict(sentences=len(src), beam=4, identical_to_cpu=None)]
+    same = sum(a == b for a, b in zip(*results.values(), strict=True))
+    return [dict(sentences=len(src), beam=4, identical_to_cpu=same,
+                 passed=same == len(src))]
+
+
+def registers(check: Check) -> list[dict[str, Any]]:
+    """What the JIT built in the stages above (Triton keeps each compiled kernel in its
+    JITFunction's cache), against the compile report's worst case for the same kernel."""
+    from fastattn.kernels import attention, cross_entropy, layer_norm
+
+    report = {}
+    if COMPILE_REPORT.exists():
+        for row in json.loads(COMPILE_REPORT.read_text()):
+            name = row["name"].split()[0]
+            report[name] = max(report.get(name, 0), row.get("registers") or 0)
+    rows = []
+    for module in (attention, cross_entropy, layer_norm):
+        for fn in vars(module).values():
+            for cache in getattr(fn, "device_caches", {}).values():
+                for compiled in cache[0].values():
+                    name = compiled.metadata.name
+                    rows.append(dict(kernel=name, registers=compiled.n_regs,
+                                     spills=compiled.n_spills,
+                                     num_warps=compiled.metadata.num_warps,
+                                     report_max_registers=report.get(fn.__name__)))
+    return rows
+
+
+STAGES: list[tuple[str, Callable[[Check], list[dict[str, Any]]], float]] = [
+    # Seconds each, 540 in all; the first stages include Triton's compiles (cached on disk).
+    ("environment", environment, 20), ("correctness", correctness, 180),
+    ("determinism", determinism, 30), ("large", large, 30),
+    ("attention", attention_speed, 120), ("fused", fused_speed, 40),
+    ("training", training, 90), ("decoding", decoding, 20), ("registers", registers, 10),
+]
+
+
+def device_name(check: Check) -> str:
+    if check.device.type == "cuda":
+        return torch.cuda.get_device_name(check.device)
+    return f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = [f"# fastattn gpu_check: {report.get('device', '?')}", "",
+             f"{report.get('started', '')}; dry run: {report.get('dry_run')}; "
+             f"command: `{report.get('command', '')}`", ""]
+    for name, stage in report.get("stages", {}).items():
+        lines += [f"## {name}: {stage['status']} in {stage['seconds']:.1f} s", ""]
+        if stage.get("error"):
+            lines += ["```", stage["error"], "```", ""]
+        rows = stage.get("rows", [])
+        if not rows:
+            continue
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        lines.append("| " + " | ".join(columns) + " |")
+        lines.append("|" + "---|" * len(columns))
+        for row in rows:
+            lines.append("| " + " | ".join(cell(row.get(c)) for c in columns) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return "" if value is None else str(value)
+
+
+def failures(report: dict[str, Any]) -> list[str]:
+    """The stages that raised, and every correctness row that failed."""
+    bad = []
+    for name, stage in report["stages"].items():
+        if stage["status"] == "error":
+            bad.append(f"{name}: {stage['error'].splitlines()[-1]}")
+        for row in stage.get("rows", []):
+            if row.get("passed") is False or row.get("bitwise_equal") is False:
+                bad.append(f"{name}: {row}")
+    return bad
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = ArgumentParser(prog="python -m fastattn.gpu_check",
+                            description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu_check", help="directory of report.json/.md")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every stage at tiny shapes on the CPU, kernels interpreted")
+    parser.add_argument("--stages", default=",".join(name for name, _, _ in STAGES),
+                        help="comma-separated stages to run, in the order above")
+    parser.add_argument("--budget-scale", type=float, default=1.0,
+                        help="multiplies every stage's time budget")
+    args = parser.parse_args(argv)
+    chosen = args.stages.split(",")
+    unknown = set(chosen) - {name for name, _, _ in STAGES}
+    if unknown:
+        parser.error(f"unknown stages {sorted(unknown)}; the stages are "
+                     f"{', '.join(name for name, _, _ in STAGES)}")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("error: torch sees no CUDA GPU; --dry-run checks the stages on the CPU")
+    check = Check(torch.device("cpu" if args.dry_run else "cuda"), args.dry_run, Path(args.out))
+    check.report = dict(device=device_name(check), dry_run=args.dry_run,
+                        started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                        command=" ".join(["python -m fastattn.gpu_check", *(argv or sys.argv[1:])]),
+                        stages={})
+    torch.manual_seed(0)
+    for name, stage, budget in STAGES:
+        if name not in chosen:
+            continue
+        start = time.monotonic()
+        check.deadline = start + budget * args.budget_scale
+        entry: dict[str, Any] = dict(status="ok", rows=[])
+        try:
+            entry["rows"] = stage(check)
+            if not check.time_left():
+                entry["status"] = "cut at its time budget"
+        except Exception:  # a stage that breaks is reported; the next ones still run
+            entry.update(status="error", error=traceback.format_exc(limit=4))
+        entry["seconds"] = time.monotonic() - start
+        check.report["stages"][name] = entry
+        check.write()
+        print(f"gpu_check: {name}: {entry['status']} in {entry['seconds']:.1f} s", flush=True)
+    bad = failures(check.report)
+    print(f"gpu_check: report in {check.out / 'report.md'}; "
+          f"{len(bad)} failure{'s' * (len(bad) != 1)}", flush=True)
+    for line in bad:
+        print(f"  {line}"[:300])
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
