@@ -167,11 +167,13 @@ FASTATTN_INLINE void forward_head(const Head &a, const float *k, const float *v,
         store16(x, e);
         l[c] += e;  // the normaliser sums the weights before dropout
       }
+    // A row with no key (l = 0) reads zeros and gets lse = +inf: zero gradients. A NaN score
+    // (a NaN in q, k or the bias) makes l NaN, and the row's output and lse NaN, as softmax's.
     v16 inv[V];
     for (int64_t c = 0; c < nv; ++c) {
-      inv[c] = l[c] > 0.0f ? 1.0f / l[c] : v16{};
-      for (int64_t r = 0; r < kLanes && kLanes * c + r < rows; ++r)  // lse = +inf: zero gradients
-        lse[i0 + kLanes * c + r] = l[c][r] > 0 ? m[c][r] + std::log(l[c][r]) : kInf;
+      inv[c] = l[c] == 0.0f ? v16{} : 1.0f / l[c];
+      for (int64_t r = 0; r < kLanes && kLanes * c + r < rows; ++r)
+        lse[i0 + kLanes * c + r] = l[c][r] == 0 ? kInf : m[c][r] + std::log(l[c][r]);
     }
     uint32_t keys[kRows];
     if (a.dropout.on) a.dropout_keys(i0, wq, keys);
@@ -214,7 +216,8 @@ FASTATTN_INLINE void backward_head(const Head &a, const float *q, const float *k
       for (int64_t c = 0; c < nv; ++c) {
         const int64_t at = j * wq + kLanes * c;
         v16 x = load16(pt + at) - load16(lse_rows + kLanes * c);
-        x = x < 0.0f ? x : v16{};  // recomputed scores may exceed lse by a rounding error
+        // Recomputed scores may exceed lse by a rounding error; a NaN (NaN lse) stays NaN.
+        x = x > 0.0f ? v16{} : x;
         const v16 p = exp_nonpositive(x);
         v16 dp = load16(dst + at);
         if (a.dropout.on) {  // z_ij = keep_ij / (1 - p): dp_ij z_ij, and pz_ij = p_ij z_ij

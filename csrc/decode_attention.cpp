@@ -178,7 +178,8 @@ FASTATTN_INLINE void scores<float>(const float *q, const float *const *keys, con
 }
 
 // o = softmax_j(q · keys[j] * scale + biases[j]) values[j] for one query row; p is scratch for
-// the L scores. A row whose every score is -inf reads zeros.
+// the L scores. A row whose every score is -inf reads zeros; a NaN score makes the row NaN, as
+// softmax does (the running max skips NaNs: where it stays -inf, the row is checked for them).
 template <typename scalar_t>
 FASTATTN_CLONES void attend_query(const scalar_t *q, const scalar_t *const *keys,
                                   const scalar_t *const *values, const scalar_t *biases,
@@ -188,7 +189,10 @@ FASTATTN_CLONES void attend_query(const scalar_t *q, const scalar_t *const *keys
   scalar_t max = -std::numeric_limits<scalar_t>::infinity();
   for (int64_t j = 0; j < L; ++j) max = std::max(max, p[j]);
   if (max == -std::numeric_limits<scalar_t>::infinity()) {
-    for (int64_t d = 0; d < Dv; ++d) o[d] = 0;
+    scalar_t fill = 0;
+    for (int64_t j = 0; j < L; ++j)
+      if (std::isnan(p[j])) fill = std::numeric_limits<scalar_t>::quiet_NaN();
+    for (int64_t d = 0; d < Dv; ++d) o[d] = fill;
     return;
   }
   for (int64_t j = 0; j < L; ++j) p[j] -= max;

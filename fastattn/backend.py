@@ -28,6 +28,11 @@ OPS = ("attention", "dropout", "layer_norm_residual", "label_smoothed_cross_entr
        "linear_cross_entropy")
 TRITON_RANGE = ((3, 2), (3, 10))  # supported: >= 3.2, < 3.10
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The widest attention head the Triton kernels cover (kernels/attention.py's MAX_HEAD_DIM, which
+# tests/test_info.py checks it equals); wider heads run where the Triton backend is off.
+TRITON_MAX_HEAD_DIM = 256
+# The floating dtypes every op takes (float64 runs PyTorch); check_float names them.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _check_backend(name: str) -> str:
@@ -106,6 +111,16 @@ def use_triton(x: torch.Tensor) -> bool:
     return _triton_on(x.device.type) is not None
 
 
+def check_float(op: str, **tensors: torch.Tensor | None) -> None:
+    """Raises TypeError naming the first tensor (keyword name) whose dtype is not one of
+    FLOAT_DTYPES, and the dtypes accepted: one clear error before any kernel sees it."""
+    for name, x in tensors.items():
+        if x is not None and x.dtype not in FLOAT_DTYPES:
+            accepted = ", ".join(str(d).removeprefix("torch.") for d in FLOAT_DTYPES)
+            raise TypeError(f"{op}: {name} has dtype {str(x.dtype).removeprefix('torch.')}; "
+                            f"accepted: {accepted}")
+
+
 def _native_takes(device_type: str, *dtypes: torch.dtype | None,
                   allowed: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
     """Whether fastattn._C's CPU kernels take tensors of these dtypes (None: tensor absent)."""
@@ -133,16 +148,20 @@ def native_reads_as_is(device_type: str, dtype: torch.dtype, residual_dtype: tor
 def implementation(op: str, device: torch.device | str, dtype: torch.dtype,
                    requires_grad: bool = False, *, masked: bool = True,
                    residual_dtype: torch.dtype | None = None,
-                   param_dtypes: tuple[torch.dtype, ...] = ()) -> str:
+                   param_dtypes: tuple[torch.dtype, ...] = (),
+                   head_dim: int | None = None) -> str:
     """The implementation that runs `op` (one of OPS) on inputs of `device` and `dtype`.
 
     requires_grad: a backward will follow (grad mode on and an input requires grad).
-    masked: attention with a mask or causal. residual_dtype, param_dtypes: layer_norm_residual's
-    residual (None: none) and weight/bias dtypes. Raises RuntimeError where
-    FASTATTN_BACKEND=triton cannot be honoured. Per op, where the Triton kernels do not run:
+    masked: attention with a mask or causal. head_dim: attention's D (None: any the Triton
+    kernels cover). residual_dtype, param_dtypes: layer_norm_residual's residual (None: none)
+    and weight/bias dtypes. Raises RuntimeError where FASTATTN_BACKEND=triton cannot be
+    honoured. Per op, where the Triton kernels do not run:
     - attention: fastattn._C for fp32/bf16 calls needing a gradient that are masked, causal or
       fp32 (benchmarks/bench_attention.py measured it faster there; unmasked bf16 runs PyTorch's
-      faster bf16 matrix products, inference PyTorch's fused kernel), else PyTorch.
+      faster bf16 matrix products, inference PyTorch's fused kernel), else PyTorch. Heads wider
+      than TRITON_MAX_HEAD_DIM never run the Triton kernels: they run what the "torch" backend
+      runs (PyTorch on GPUs; fastattn._C or PyTorch on CPU, as above).
     - dropout: fastattn._C's counter-based mask on CPU fp32/bf16/fp16 (computed in fp32),
       PyTorch elsewhere. Under the Triton backend, PyTorch.
     - layer_norm_residual: fastattn._C on CPU when native_reads_as_is, or when x and residual
@@ -161,7 +180,8 @@ def implementation(op: str, device: torch.device | str, dtype: torch.dtype,
         return "fastattn._C" if _native_takes(device_type, dtype, allowed=UPCAST_DTYPES) \
             else "torch"
     triton = _triton_on(device_type)
-    if triton is not None:
+    wide = op == "attention" and head_dim is not None and head_dim > TRITON_MAX_HEAD_DIM
+    if triton is not None and not wide:
         return triton if dtype in TRITON_DTYPES else "torch"
     if op == "attention":
         faster = requires_grad and (masked or dtype == torch.float32)

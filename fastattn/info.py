@@ -26,19 +26,28 @@ CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "am
                 "amx_bf16", "amx_int8")
 
 
+# Rows beyond one per op: (label, op, keywords for implementation); the label reads as an op.
+WIDE_HEAD_DIM = backend.TRITON_MAX_HEAD_DIM + 1
+VARIANTS = {f"attention[D>{backend.TRITON_MAX_HEAD_DIM}]": ("attention",
+                                                           {"head_dim": WIDE_HEAD_DIM})}
+
+
 def dispatch_table() -> list[tuple[str, str, str, str, str]]:
-    """(op, device, dtype, grad mode, implementation) for every combination; where the backend
-    override cannot be honoured, the implementation is the error's first words."""
+    """(op, device, dtype, grad mode, implementation) for every combination, and for attention
+    with heads wider than the Triton kernels' (VARIANTS); where the backend override cannot be
+    honoured, the implementation is the error's first words."""
     rows = []
-    for op in OPS:
+    labels = [(op, op, {}) for op in OPS]
+    labels += [(label, op, kwargs) for label, (op, kwargs) in VARIANTS.items()]
+    for label, op, kwargs in labels:
         for device in DEVICES:
             for dtype_name, dtype in DTYPES.items():
                 for mode, requires_grad in GRAD_MODES.items():
                     try:
-                        impl = implementation(op, device, dtype, requires_grad)
+                        impl = implementation(op, device, dtype, requires_grad, **kwargs)
                     except RuntimeError as e:
                         impl = f"error: {str(e).split(':')[0]}"
-                    rows.append((op, device, dtype_name, mode, impl))
+                    rows.append((label, device, dtype_name, mode, impl))
     return rows
 
 
@@ -94,7 +103,8 @@ def report() -> str:
         f"{'cpu features':<28}{_cpu_features()}",
         f"{'gpu':<28}{_gpu()}",
         "",
-        "dispatch: op, device, dtype, grad mode -> implementation (attention masked or causal)",
+        "dispatch: op, device, dtype, grad mode -> implementation (attention masked or causal; "
+        f"attention[D>{backend.TRITON_MAX_HEAD_DIM}]: heads wider than the Triton kernels')",
     ]
     lines += [f"  {op:<30}{device:<6}{dtype:<6}{mode:<11}{impl}"
               for op, device, dtype, mode, impl in dispatch_table()]

@@ -391,12 +391,19 @@ class Stack(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_loss_args(tgt_in: Tensor, tgt_out: Tensor, reduction: str) -> None:
+def _check_loss_args(tgt_in: Tensor, tgt_out: Tensor, reduction: str,
+                     cfg: TransformerConfig) -> None:
     if tgt_out.shape != tgt_in.shape:
         raise ValueError(f"tgt_out {tuple(tgt_out.shape)} and tgt_in {tuple(tgt_in.shape)} "
                          "must have the same shape")
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    if _range_checked(tgt_out):  # the loss op checks too, but cannot name (batch, position)
+        bad = _outside(tgt_out, cfg.output_size, ignore=cfg.pad_id)
+        if bad is not None:
+            raise ValueError(
+                f"target {bad[0]} is out of range for {cfg.output_size} classes (the output "
+                f"vocabulary), at {bad[1]} of tgt_out")
 
 
 class Transformer(nn.Module):
@@ -467,7 +474,7 @@ class Transformer(nn.Module):
         loss are one fused op, so the (tokens × vocabulary) logits are never materialised.
         With return_nll, also the unsmoothed negative log-likelihood reduced the same way
         (without gradient; exp of its mean is the perplexity)."""
-        _check_loss_args(tgt_in, tgt_out, reduction)
+        _check_loss_args(tgt_in, tgt_out, reduction, self.cfg)
         hidden = self.decode(tgt_in, *self.encode(src))
         real = tgt_out != self.cfg.pad_id  # padding costs no projection
         return ops.linear_cross_entropy(
@@ -482,7 +489,7 @@ class Transformer(nn.Module):
         different dropout masks, and the loss per target token is the mean of the two passes'
         label-smoothed cross-entropies (as in loss()) plus α/4 · (KL(p1‖p2) + KL(p2‖p1)) of
         their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL."""
-        _check_loss_args(tgt_in, tgt_out, reduction)
+        _check_loss_args(tgt_in, tgt_out, reduction, self.cfg)
         hidden = self.decode(torch.cat([tgt_in, tgt_in]), *self.encode(torch.cat([src, src])))
         real = tgt_out != self.cfg.pad_id
         h1, h2 = (h[real] for h in hidden.chunk(2))
@@ -528,6 +535,9 @@ class Transformer(nn.Module):
         inference: no dropout, no gradients."""
         if self.training:
             raise RuntimeError("decoding is inference: call model.eval() first")
+        if not _range_checked(src):  # GPUs check here, once per search, not in training steps
+            _check_tokens("src", src, self.cfg.vocab_size)
+            _check_token_range("src", src, self.cfg.vocab_size)
         memory, mask = self.encode(src)
         # Views into each layer's (B, S, 2·h·d) projection: the attention reads any strides.
         memory_kv = [layer.cross_attention.memory_kv(memory) for layer in self.decoder.layers]
@@ -539,6 +549,8 @@ class Transformer(nn.Module):
         """tokens (N,): the newest token of every row (BOS on the first call), at position
         state.length -> log-probabilities (N, cfg.output_size) of the next token. Costs O(length):
         earlier positions are read from the caches, not recomputed."""
+        if _range_checked(tokens):
+            _check_token_range("tokens", tokens, self.cfg.vocab_size)
         state.start_position(tokens.shape[0], self.cfg, self.embedding.weight)
         x = self.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
         if decoding.native_decoder_supports(self, x) is None:
@@ -585,9 +597,51 @@ class Transformer(nn.Module):
         return super().train(mode)
 
 
+# What each checked argument holds, for the messages.
+_TOKEN_KINDS = {"src": "source", "tgt_in": "target input", "tokens": "decoder input"}
+
+
+def _range_checked(tokens: Tensor) -> bool:
+    """Whether the token ids are checked against the vocabulary on every call: on CPU, where
+    the one min/max reduction costs no device sync (and outside torch.compile's tracing). On
+    GPUs only the decoding entry points check (start_decoding, so beam search and translation):
+    a check in each training step would synchronise the device every step."""
+    return tokens.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _outside(tokens: Tensor, vocab_size: int, ignore: int | None = None
+             ) -> tuple[int, str] | None:
+    """(the first id outside [0, vocab_size) that is not `ignore`, where it sits: "(batch b,
+    position t)" or "row n"), or None. One min/max pass; the search only after a bad one."""
+    if tokens.numel() == 0:
+        return None
+    low, high = torch.aminmax(tokens)
+    if low >= 0 and high < vocab_size:
+        return None
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if ignore is not None:
+        bad &= tokens != ignore
+    where = bad.nonzero()
+    if len(where) == 0:
+        return None
+    at = where[0].tolist()
+    place = f"(batch {at[0]}, position {at[1]})" if len(at) == 2 else f"row {at[0]}"
+    return int(tokens[tuple(at)]), place
+
+
+def _check_token_range(name: str, tokens: Tensor, vocab_size: int) -> None:
+    """ValueError naming the first token id outside the vocabulary, its place and the size."""
+    bad = _outside(tokens, vocab_size)
+    if bad is not None:
+        raise ValueError(f"{_TOKEN_KINDS.get(name, name)} token id {bad[0]} at {bad[1]} is "
+                         f"outside the vocabulary of {vocab_size} (ids 0 to {vocab_size - 1})")
+
+
 def _check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
     if tokens.dim() != 2 or tokens.dtype != torch.long:
         raise ValueError(f"{name} must be a (batch, length) LongTensor of token ids, got "
                          f"{tuple(tokens.shape)} {tokens.dtype}")
     if tokens.shape[1] == 0:
         raise ValueError(f"{name} is empty: sequences need at least one token")
+    if _range_checked(tokens):
+        _check_token_range(name, tokens, vocab_size)

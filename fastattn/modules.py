@@ -26,9 +26,12 @@ class MultiHeadAttention(nn.Module):
     and gradients. Masks follow torch's convention: in ``attn_mask`` (L, S) or (N·H, L, S) and
     ``key_padding_mask`` (N, S), True means "do not attend" and floats are added to the scores.
     ``need_weights=True`` (torch's default) computes the weights explicitly and returns them;
-    pass ``need_weights=False`` to run the fused attention kernel. Differences from torch, both
-    deliberate: a query row whose keys are all masked gives zeros (torch gives NaN), and
-    ``is_causal=True`` without ``attn_mask`` means causal (top-left aligned) instead of an error.
+    pass ``need_weights=False`` to run the fused attention kernel. Differences from torch, all
+    deliberate: a query row whose keys are all masked gives zeros (torch gives NaN);
+    ``is_causal=True`` without ``attn_mask`` means causal (top-left aligned) instead of an error;
+    masks are constants: a float ``attn_mask`` or ``key_padding_mask`` that requires grad gets
+    no gradient (torch's gives it one), on both paths. Empty inputs (L, S or N = 0) give torch's
+    empty or, for S = 0, zero-attention outputs, also where torch's own fused path raises.
     """
 
     def __init__(
@@ -272,13 +275,15 @@ def _attention_mask(
     dtype: torch.dtype,
 ) -> Tensor | None:
     """Torch's two masks (True = masked, or additive floats) as one mask for ops.attention
-    (True = attend, or additive floats), broadcastable to (N, H, L, S)."""
+    (True = attend, or additive floats), broadcastable to (N, H, L, S). Masks are constants:
+    detached, so that no gradient reaches them on either path."""
     masks = []
     if attn_mask is not None:
+        attn_mask = attn_mask.detach()
         per_head = attn_mask.dim() == 3  # (N·H, L, S)
         masks.append(attn_mask.unflatten(0, (n, heads)) if per_head else attn_mask)
-    if key_padding_mask is not None:
-        masks.append(key_padding_mask.view(n, 1, 1, -1))
+    if key_padding_mask is not None:  # sizes spelled out: -1 is ambiguous with N or S = 0
+        masks.append(key_padding_mask.detach().view(n, 1, 1, key_padding_mask.shape[-1]))
     if not masks:
         return None
     if all(m.dtype == torch.bool for m in masks):
@@ -306,8 +311,9 @@ def _attention_with_weights(
         l, s = scores.shape[-2:]
         future = torch.ones(l, s, dtype=torch.bool, device=q.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
-    # A row with every key masked would be NaN; it attends to nothing instead.
-    empty = scores.amax(dim=-1, keepdim=True) == float("-inf")
+    # A row with every key masked would be NaN; it attends to nothing instead (so does every
+    # row when S = 0, where amax has nothing to reduce).
+    empty = (scores == float("-inf")).all(dim=-1, keepdim=True)
     weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
     if dropout_p > 0.0:
         weights = F.dropout(weights, dropout_p)

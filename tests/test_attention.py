@@ -352,7 +352,9 @@ def test_native_cpu_attention_only_where_it_is_faster_and_exact():
      "does not broadcast"),
     ((torch.ones(1, 1, 3, 8),) * 3, {"attn_mask": torch.ones(3, 3, dtype=torch.int64)},
      "must be bool or floating"),
-    ((torch.ones(1, 1, 0, 8),) * 3, {}, "must be >= 1"),
+    ((torch.ones(1, 1, 3, 8, dtype=torch.int64),) * 3, {},
+     "q has dtype int64; accepted: float16, bfloat16, float32, float64"),
+    ((torch.ones(1, 1, 3, 8, dtype=torch.complex64),) * 3, {}, "q has dtype complex64"),
 ])
 def test_bad_input_is_named(args, kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
@@ -369,3 +371,141 @@ def test_triton_backend_on_cpu_without_interpreter_raises():
                             text=True, timeout=120)
     assert result.returncode != 0
     assert "RuntimeError" in result.stderr and "TRITON_INTERPRET=1" in result.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# The op contract at its edges (issue 50 item 9): the same on every path, checked against
+# PyTorch's own scaled_dot_product_attention.
+# ---------------------------------------------------------------------------------------------
+
+# Every path this backend has on CPU: (dtype, needs a gradient, mask kind, key length): without
+# a gradient PyTorch's fused kernel (or the Triton kernels), with one fastattn._C (fp32; masked
+# bf16), PyTorch's explicit product (unmasked bf16) or, past 512 keys, its fused kernel.
+PATHS = [(dtype, grad, mask, lk) for dtype in (torch.float32, torch.bfloat16)
+         for grad in (False, True) for mask in (None, "bool", "float", "causal")
+         for lk in (6,)] + [(torch.bfloat16, True, None, 600), (torch.float32, False, None, 600)]
+
+
+def _edge_mask(kind, lq, lk):
+    """(attn_mask for the op, causal, the bool (Lq, Lk) allowed keys) for a mask kind."""
+    allowed = torch.ones(lq, lk, dtype=torch.bool)
+    if kind == "causal":
+        return None, True, allowed.tril()
+    if kind is None:
+        return None, False, allowed
+    allowed[:, 0] = False  # key 0 hidden from every row
+    if kind == "bool":
+        return allowed, False, allowed
+    return torch.zeros(lq, lk).masked_fill(~allowed, float("-inf")), False, allowed
+
+
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float", "causal", "bottom_right"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,h,lq,lk,d", [(2, 3, 0, 5, 8), (2, 3, 4, 0, 8), (0, 3, 4, 5, 8),
+                                         (2, 0, 4, 5, 8), (2, 3, 0, 0, 8), (1, 2, 3, 4, 0)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_empty_inputs_give_what_sdpa_gives(b, h, lq, lk, d, dtype, mask_kind, grad):
+    """Lq, Lk, B, H or D = 0: SDPA's empty output, or zeros for Lk = 0 (every row attends to no
+    key), with SDPA's gradients (zeros or empty), on every path: nothing is launched."""
+    q, k, v = (torch.randn(b, h, n, d, dtype=dtype, requires_grad=grad) for n in (lq, lk, lk))
+    mask = {"bool": torch.ones(lq, lk, dtype=torch.bool),
+            "float": torch.zeros(lq, lk, dtype=dtype)}.get(mask_kind)
+    causal = {"causal": True, "bottom_right": "bottom_right"}.get(mask_kind, False)
+    out = attention(q, k, v, attn_mask=mask, causal=causal, scale=0.5)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal is True, scale=0.5)
+    assert out.shape == expected.shape == (b, h, lq, d) and out.dtype == dtype
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert out.requires_grad == grad
+    if grad:
+        grad_out = torch.randn(out.shape, dtype=dtype)
+        ours = torch.autograd.grad(out, (q, k, v), grad_out)
+        theirs = torch.autograd.grad(expected, (q, k, v), grad_out)
+        for a, e in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, e, atol=0, rtol=0)
+    if lk == 0 and lq > 0 and b * h * d > 0:  # zeros even for a NaN query: it meets no key
+        q = torch.full_like(q.detach(), float("nan"))
+        assert attention(q, k.detach(), v.detach()).eq(0).all()
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")  # interpreter
+@pytest.mark.parametrize("dtype,grad,mask_kind,lk", PATHS)
+def test_nan_in_a_query_row_gives_nan_in_that_row_on_every_path(seeded, dtype, grad, mask_kind,
+                                                                 lk):
+    """A NaN in query row 2 makes output row 2 NaN and leaves the other rows as they were, as
+    softmax (and PyTorch's math path) does; with a gradient, dq's row 2 is NaN, its other rows
+    finite, and dk, dv are NaN at every key row 2 may see. PyTorch's fused CPU kernel gave 0.0
+    there without a mask, fastattn._C NaN."""
+    lq, row = 5, 2
+    q, k, v = _inputs(lq, lk, 8, dtype, batch=1, heads=2)
+    q[0, 1, row, 3] = float("nan")
+    mask, causal, allowed = _edge_mask(mask_kind, lq, lk)
+    q, k, v = (x.requires_grad_(grad) for x in (q, k, v))
+    out = attention(q, k, v, attn_mask=mask, causal=causal)
+    nan_rows = out.isnan().any(-1)
+    expected_rows = torch.zeros_like(nan_rows)
+    expected_rows[0, 1, row] = True
+    assert torch.equal(nan_rows, expected_rows), nan_rows
+    assert out[0, 1, row].isnan().all()
+    finite = [i for i in range(lq) if i != row]
+    reference = attention_reference(*(x.detach().double() for x in (q, k, v)), causal=causal,
+                                    attn_mask=None if mask is None else mask.double()
+                                    if mask.is_floating_point() else mask)
+    torch.testing.assert_close(out[0, 1, finite].double(), reference[0, 1, finite],
+                               atol=3e-2, rtol=3e-2)
+    if grad:
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn(out.shape, dtype=dtype))
+        assert dq[0, 1, row].isnan().all() and dq[0, 1, finite].isfinite().all()
+        assert dq[0, 0].isfinite().all() and dk[0, 0].isfinite().all()  # the other head
+        seen = allowed[row]
+        assert dk[0, 1, seen].isnan().all() and dv[0, 1, seen].isnan().all()
+
+
+@pytest.mark.parametrize("dtype,grad,mask_kind,lk", [
+    p for p in PATHS if p[2] in (None, "bool")])
+def test_nan_in_a_key_or_value_reaches_every_row_that_sees_it(seeded, dtype, grad, mask_kind,
+                                                              lk):
+    lq = 5
+    for name in ("k", "v"):
+        q, k, v = _inputs(lq, lk, 8, dtype, batch=1, heads=1)
+        {"k": k, "v": v}[name][0, 0, 3, 1] = float("nan")  # key 3, seen by every row
+        mask, causal, _ = _edge_mask(mask_kind, lq, lk)
+        q, k, v = (x.requires_grad_(grad) for x in (q, k, v))
+        assert attention(q, k, v, attn_mask=mask, causal=causal).isnan().any(-1).all(), name
+
+
+@pytest.mark.parametrize("dtype,grad,mask_kind,lk", [
+    p for p in PATHS if p[2] in ("float", "bool") and p[1]])
+@pytest.mark.parametrize("q_grad", [True, False])
+def test_masks_never_receive_gradients(seeded, dtype, grad, mask_kind, lk, q_grad):
+    """Masks are constants on every path: a float mask that requires grad gets none (PyTorch's
+    SDPA would give it one), and alone it does not make the output require grad."""
+    del grad
+    lq = 5
+    q, k, v = _inputs(lq, lk, 8, dtype)
+    mask, causal, allowed = _edge_mask(mask_kind, lq, lk)
+    if mask_kind == "bool":  # a float mask is the one that can require grad
+        mask = torch.zeros(lq, lk, dtype=dtype).masked_fill(~allowed, float("-inf"))
+    mask = (mask + 0.1 * torch.randn(lq, lk, dtype=dtype)).requires_grad_()
+    q, k, v = (x.requires_grad_(q_grad) for x in (q, k, v))
+    out = attention(q, k, v, attn_mask=mask, causal=causal)
+    assert out.requires_grad == q_grad
+    if q_grad:
+        out.sum().backward()
+        assert mask.grad is None and q.grad is not None
+
+
+@pytest.mark.parametrize("d,grad", [(272, False), (272, True), (300, True)])
+def test_head_dims_above_256_fall_back_instead_of_raising(seeded, d, grad):
+    """The Triton kernels cover heads up to 256 wide: wider ones run what the torch backend runs
+    (fastattn._C or PyTorch on CPU, PyTorch on GPUs), as fastattn.backend.implementation says."""
+    for device in ("cpu", "cuda"):
+        for dtype in (torch.float16, torch.bfloat16, torch.float32):
+            impl = implementation("attention", device, dtype, grad, head_dim=d)
+            assert not impl.startswith("triton"), (device, dtype, impl)
+    assert implementation("attention", "cuda", torch.float16, grad, head_dim=d) == "torch"
+    q, k, v = _inputs(3, 5, d, torch.float32, batch=1, heads=2)
+    if grad:
+        _check_against_reference(q, k, v, atol=1e-5, causal=True)
+    else:
+        torch.testing.assert_close(attention(q, k, v), attention_reference(q, k, v))

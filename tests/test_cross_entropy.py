@@ -390,3 +390,61 @@ def test_float64_at_float64_precision():
     hidden, weight = torch.randn(N, 16, dtype=torch.float64), torch.randn(300, 16).double()
     exact, _ = cross_entropy_reference(F.linear(hidden, weight), target, 0.1)
     torch.testing.assert_close(linear_cross_entropy(hidden, weight, target, smoothing=0.1), exact)
+
+
+# The dtypes the error message accepts are the dtypes that work (issue 50 item 9): int64 and
+# int32 targets, forward and backward, on every path: PyTorch (F.cross_entropy takes int64
+# only), the Triton kernels, and linear_cross_entropy's chunk kernels (fastattn._C for fp32 and
+# bf16, PyTorch for fp16) with and without a gradient.
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_int32_targets_work_like_int64(dtype, reduction):
+    logits = torch.randn(N, 11, dtype=dtype, generator=torch.Generator().manual_seed(3))
+    target = _target(N, 11)
+    results = []
+    for t in (target, target.int()):
+        x = logits.clone().requires_grad_()
+        loss, nll = label_smoothed_cross_entropy(x, t, 0.1, reduction=reduction,
+                                                 return_nll=True)
+        loss.sum().backward()
+        results.append((loss, nll, x.grad))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_linear_int32_targets_work_like_int64(small_chunks, dtype, grad, reduction):
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(N, 8, generator=g), torch.randn(64 + 3, 8, generator=g)
+    bias = torch.randn(64 + 3, generator=g)
+    target = _target(N, 64 + 3)
+    results = []
+    for t in (target, target.int()):
+        leaves = [x.to(dtype).requires_grad_(grad) for x in (hidden, weight, bias)]
+        loss, nll = linear_cross_entropy(leaves[0], leaves[1], t, bias=leaves[2], smoothing=0.1,
+                                         reduction=reduction, return_nll=True)
+        grads = torch.autograd.grad(loss.sum(), leaves) if grad else ()
+        results.append((loss, nll, *grads))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_non_float_logits_name_their_dtype():
+    target = torch.zeros(3, dtype=torch.long)
+    accepted = "accepted: float16, bfloat16, float32, float64"
+    with pytest.raises(TypeError, match=f"logits has dtype int64; {accepted}"):
+        label_smoothed_cross_entropy(torch.ones(3, 4, dtype=torch.long), target)
+    with pytest.raises(TypeError, match=f"hidden has dtype int32; {accepted}"):
+        linear_cross_entropy(torch.ones(3, 4, dtype=torch.int32), torch.ones(5, 4), target)
+    with pytest.raises(TypeError, match="weight has dtype int64"):
+        linear_cross_entropy(torch.ones(3, 4), torch.ones(5, 4, dtype=torch.long), target)
+    with pytest.raises(ValueError, match="int64 or int32"):
+        label_smoothed_cross_entropy(torch.ones(3, 4), target.to(torch.int16))
+
+
+def test_out_of_range_target_names_its_row():
+    with pytest.raises(ValueError, match="target 10 is out of range for 10 classes "
+                                         r"\(ignore_index=-100\), first at row 3"):
+        label_smoothed_cross_entropy(torch.randn(5, 10), torch.tensor([0, 1, 2, 10, 11]))

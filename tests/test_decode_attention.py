@@ -66,6 +66,27 @@ def test_fully_masked_row_reads_zeros():
     assert torch.equal(out[1], torch.zeros_like(out[1])) and out[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("keys", [1, 5, 19])
+def test_nan_in_a_query_row_gives_nan_in_that_row(dtype, keys):
+    """As softmax (and the explicit product) does: the running max skips a NaN score, so a row
+    of NaN scores used to read as one with no key, zeros. Fully masked rows still read zeros,
+    and a NaN score among finite ones, or beside -inf ones, makes the row NaN too."""
+    q, k, v = inputs(2, 2, 3, keys, 8, 8, dtype)
+    q[0, 1, 2, 5] = math.nan
+    bias = torch.zeros(2, keys, dtype=dtype)
+    bias[1] = -math.inf  # group 1 has no key
+    out = torch.ops.fastattn.decode_attention(q, k, v, bias, 0.5)
+    nan_rows = out.isnan().any(-1)
+    assert nan_rows[0, 1, 2] and out[0, 1, 2].isnan().all() and nan_rows.sum() == 1
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    finite = reference(q, k, v, bias, 0.5)
+    torch.testing.assert_close(out[0, 0].double(), finite[0, 0], rtol=1e-5, atol=1e-5)
+    q, bias = inputs(1, 1, 1, keys, 8, 8, dtype)[0], torch.full((1, keys), -math.inf, dtype=dtype)
+    bias[0, -1] = math.nan  # the one score not -inf is NaN
+    assert torch.ops.fastattn.decode_attention(q, k[:1, :1], v[:1, :1], bias, 0.5).isnan().all()
+
+
 def test_step_attention_native_equals_explicit_product():
     """The model's two paths agree (the bias as the decoder keeps it, (G, 1, 1, L))."""
     q, k, v = inputs(3, 4, 2, 11, 16, 16, torch.float64)

@@ -6,8 +6,9 @@ import sys
 
 import torch
 
-from fastattn.backend import IMPLEMENTATIONS, OPS, implementation
-from fastattn.info import DTYPES, GRAD_MODES
+from fastattn.backend import IMPLEMENTATIONS, OPS, TRITON_MAX_HEAD_DIM, implementation
+from fastattn.info import DTYPES, GRAD_MODES, VARIANTS
+from fastattn.kernels.attention import MAX_HEAD_DIM
 
 
 def test_info_prints_the_dispatch_table_implementation_returns():
@@ -18,9 +19,17 @@ def test_info_prints_the_dispatch_table_implementation_returns():
     for field in ("python", "torch", "triton", "fastattn._C", "backend", "cpu features", "gpu"):
         assert field in head, field
     rows = {tuple(line.split()[:4]): line.split(None, 4)[4] for line in table.splitlines()[1:]}
-    assert len(rows) == len(OPS) * 2 * len(DTYPES) * len(GRAD_MODES)
-    for (op, device, dtype, mode), impl in rows.items():
+    assert len(rows) == (len(OPS) + len(VARIANTS)) * 2 * len(DTYPES) * len(GRAD_MODES)
+    for (label, device, dtype, mode), impl in rows.items():
         if impl.startswith("error"):
             continue  # the override cannot be honoured here; the ops raise too
-        expected = implementation(op, torch.device(device), DTYPES[dtype], GRAD_MODES[mode])
-        assert impl == expected and impl in IMPLEMENTATIONS, (op, device, dtype, mode)
+        op, kwargs = VARIANTS.get(label, (label, {}))
+        expected = implementation(op, torch.device(device), DTYPES[dtype], GRAD_MODES[mode],
+                                  **kwargs)
+        assert impl == expected and impl in IMPLEMENTATIONS, (label, device, dtype, mode)
+        if label != op:  # heads wider than the Triton kernels' never run them
+            assert not impl.startswith("triton"), (label, device, dtype, mode)
+
+
+def test_the_head_dim_limit_is_the_kernels():
+    assert TRITON_MAX_HEAD_DIM == MAX_HEAD_DIM

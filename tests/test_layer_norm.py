@@ -318,3 +318,25 @@ def test_compiles_with_fullgraph():
     want = fn(x, r, w, b)
     for a, e in zip(got, want, strict=True):
         torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("name", ["x", "residual", "weight", "bias"])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_non_float_inputs_name_their_dtype(name, dtype):
+    """One TypeError naming the tensor, its dtype and the dtypes accepted, on every backend (an
+    int x gave a raw NotImplementedError from F.layer_norm, an int weight a RuntimeError on CPU
+    and a result under the Triton backend)."""
+    tensors = {"x": torch.ones(3, 4), "residual": torch.ones(3, 4), "weight": torch.ones(4),
+               "bias": torch.zeros(4)}
+    tensors[name] = tensors[name].to(dtype)
+    short = str(dtype).removeprefix("torch.")
+    with pytest.raises(TypeError, match=f"layer_norm_residual: {name} has dtype {short}; "
+                                        "accepted: float16, bfloat16, float32, float64"):
+        layer_norm_residual(tensors["x"], tensors["residual"], tensors["weight"], tensors["bias"])
+
+
+def test_dropout_of_a_non_float_tensor_names_its_dtype():
+    with pytest.raises(TypeError, match="dropout: x has dtype int64"):
+        dropout(torch.ones(3, 4, dtype=torch.long), 0.5)
+    x = torch.ones(3, dtype=torch.long)
+    assert dropout(x, 0.5, training=False) is x  # as F.dropout: the identity outside training

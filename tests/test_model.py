@@ -508,3 +508,37 @@ def test_bad_configuration_and_inputs_raise_clear_errors():
         model.loss(tokens(2, 3), tokens(2, 3), tokens(2, 4))
     with pytest.raises(ValueError, match="learned positions"):
         make_model(replace(TINY, positions="learned", max_len=4))(tokens(1, 5), tokens(1, 2))
+
+
+def test_token_ids_outside_the_vocabulary_name_the_id_its_place_and_the_size():
+    """One ValueError, before any embedding lookup (which raised `IndexError: index out of range
+    in self`), in training, scoring and decoding (issue 50 item 9)."""
+    model = make_model(VARIANTS["output_vocab"])
+    src, tgt = tokens(2, 5), tokens(2, 4, seed=2) % 17
+    bad_src = src.clone()
+    bad_src[1, 3] = 9000
+    message = r"source token id 9000 at \(batch 1, position 3\) is outside the vocabulary of 23"
+    with pytest.raises(ValueError, match=message):
+        model(bad_src, tgt)
+    with pytest.raises(ValueError, match=message):
+        model.loss(bad_src, tgt, tgt)
+    with pytest.raises(ValueError, match=message):
+        model.beam_search(bad_src, bos_id=1, eos_id=2, max_len=3)
+    with pytest.raises(ValueError, match=message):
+        model.start_decoding(bad_src)
+    bad_tgt = tgt.clone()
+    bad_tgt[0, 2] = -1
+    with pytest.raises(ValueError, match=r"target input token id -1 at \(batch 0, position 2\) "
+                                         "is outside the vocabulary of 23"):
+        model(src, bad_tgt)
+    bad_tgt[0, 2] = 20  # inside the vocabulary, outside the output vocabulary of 17
+    with pytest.raises(ValueError, match=r"target 20 is out of range for 17 classes \(the "
+                                         r"output vocabulary\), at \(batch 0, position 2\)"):
+        model.loss(src, tgt, bad_tgt)
+    with pytest.raises(ValueError, match=r"target 20 is out of range for 17 classes"):
+        model.rdrop_loss(src, tgt, bad_tgt, alpha=1.0)
+    state = model.start_decoding(src)
+    with pytest.raises(ValueError, match="decoder input token id 23 at row 1 is outside the "
+                                         "vocabulary of 23"):
+        model.decode_step(torch.tensor([1, 23]), state)
+    model.decode_step(torch.tensor([1, 22]), state)  # the last id is in

@@ -23,7 +23,7 @@ def assert_grad_close(ours, theirs):
     """Gradients of weights sum over every row, and float32 sums of terms that cancel are
     accurate to the terms' scale, not the result's: the absolute tolerance follows the tensor's
     largest magnitude."""
-    atol = TOL["atol"] * max(1.0, float(theirs.abs().max()))
+    atol = TOL["atol"] * max(1.0, float(theirs.abs().max()) if theirs.numel() else 0.0)
     torch.testing.assert_close(ours, theirs, atol=atol, rtol=TOL["rtol"])
 
 
@@ -404,3 +404,54 @@ def test_converted_nn_transformer_matches_the_original(training):
         (expected * grad).sum().backward()
         for (name, a), b in zip(ours.named_parameters(), theirs.parameters(), strict=True):
             torch.testing.assert_close(a.grad, b.grad, **TOL, msg=name)
+
+
+# The op contract at its edges (issue 50 item 9), against torch's module itself.
+EMPTY_SIZES = {"L=0": dict(l=0), "S=0": dict(s=0), "N=0": dict(n=0), "L=S=0": dict(l=0, s=0)}
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("padding", [False, True])
+@pytest.mark.parametrize("config", ["default", "bias_kv", "zero_attn", "batch_first"])
+@pytest.mark.parametrize("sizes", EMPTY_SIZES.values(), ids=EMPTY_SIZES.keys())
+def test_empty_sequences_give_what_torch_gives(sizes, config, padding, need_weights):
+    """L, S or N = 0: torch's output, weights and gradients, S = 0 being attention to no key
+    (zeros before out_proj). Where torch's fused path itself fails on an empty key padding mask
+    (a reshape of 0 elements), ours gives what torch's need_weights=True path gives."""
+    kwargs = CONFIGS[config]
+    theirs, ours = make_pair(**kwargs)
+    size = dict(n=N, l=L, s=S) | sizes
+    inputs = make_inputs(batch_first=kwargs.get("batch_first", False), **size)
+    call = {"need_weights": need_weights}
+    if padding:
+        call["key_padding_mask"] = torch.zeros(size["n"], size["s"], dtype=torch.bool)
+    try:
+        theirs(*inputs, **call)
+    except RuntimeError as e:  # torch's own bug: compare with its explicit path instead
+        assert "0 elements" in str(e) and padding and not need_weights
+        reference = dict(call, need_weights=True)
+        grad_out = torch.randn_like(theirs(*inputs, **reference)[0])
+        out_t, _, grads_t = run(theirs, inputs, grad_out, reference)
+        out_o, w_o, grads_o = run(ours, inputs, grad_out, call)
+        assert w_o is None
+        torch.testing.assert_close(out_o, out_t, **TOL)
+        for g_o, g_t in zip(grads_o, grads_t, strict=True):
+            assert (g_o is None) == (g_t is None)
+            if g_t is not None:
+                assert_grad_close(g_o, g_t)
+        return
+    assert_parity(theirs, ours, inputs, call)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("which", ["attn_mask", "key_padding_mask"])
+def test_float_masks_get_no_gradient_on_either_path(need_weights, which):
+    """Masks are constants in fastattn (torch's module gives a float mask a gradient): the same
+    on the fused path and on the explicit one that returns the weights."""
+    _, ours = make_pair()
+    inputs = make_inputs()
+    mask = (torch.randn(L, S) if which == "attn_mask" else torch.randn(N, S)).requires_grad_()
+    q, k, v = (x.clone().requires_grad_() for x in inputs)
+    out, _ = ours(q, k, v, need_weights=need_weights, **{which: mask})
+    out.sum().backward()
+    assert mask.grad is None and q.grad is not None and k.grad is not None

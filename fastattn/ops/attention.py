@@ -5,7 +5,15 @@ around kernels/attention.py's Triton kernels.
 
 Semantics are those of torch.nn.functional.scaled_dot_product_attention, with one deliberate
 difference: a query row that may attend to no key at all returns zeros and passes zero gradients
-(PyTorch's math path returns NaN there). The mask is a constant: no gradient flows to it.
+(PyTorch's math path returns NaN there). The contract at the edges, the same on every path:
+- Empty inputs (B, H, Lq, Lk or D = 0) give empty outputs as SDPA does, before any kernel runs:
+  (B, H, Lq, D); with Lk = 0 every row attends to no key, so zeros, with zero gradients for q.
+- A NaN (or inf) in query row i makes output row i NaN, as softmax does (PyTorch's fused CPU
+  kernel returns 0 there unmasked; its math path NaN); NaN in a key or value a row attends to
+  makes that row NaN. Whether a NaN hidden from a row by the mask or causality reaches it is
+  not specified (PyTorch's own kernels differ).
+- The mask is a constant: no gradient flows to it, also for a float mask that requires grad.
+- Head dims above the Triton kernels' 256 run PyTorch (fastattn._C on CPU where it applies).
 dropout_p is applied on every call (as in PyTorch; pass 0.0 in eval mode); the mask is drawn
 from a (seed, offset) pair taken from torch's default generator and regenerated in the
 backward: by the Triton kernels from Philox, by the CPU kernels from fastattn._C's
@@ -29,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from fastattn.backend import implementation
+from fastattn.backend import check_float, implementation
 from fastattn.kernels import attention as kernels
 from fastattn.kernels.attention import MAX_HEAD_DIM, causal_shift, unit_last_stride
 from fastattn.ops.layer_norm import seeded_dropout
@@ -216,17 +224,38 @@ def _empty_rows(mask: torch.Tensor) -> torch.Tensor:
 _CPU_EXPLICIT_MAX_KEYS = {torch.float32: 64, torch.bfloat16: 512, torch.float16: 512}
 
 
+def _with_nan_rows(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """out with NaN in the rows whose query holds a NaN or inf: PyTorch's fused CPU kernel
+    returns 0 there without a mask (its math path, and softmax, NaN). On CPU one sum over q
+    decides (no device to synchronise; out untouched in the usual all-finite case); on GPUs and
+    under torch.compile, without a branch on data, the rows' sums times 0, NaN where q is not
+    finite, are added to out."""
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        if torch.isfinite(q.sum(dtype=torch.float32)):
+            return out
+    return out + (q.sum(-1, keepdim=True, dtype=torch.float32) * 0).to(out.dtype)
+
+
 def _attention_torch(q, k, v, causal, attn_mask, dropout_p, scale):
     lq, lk = q.shape[2], k.shape[2]
-    if attn_mask is not None and attn_mask.is_floating_point():
-        attn_mask = attn_mask.to(q.dtype)  # PyTorch wants a float mask in the inputs' dtype
+    if attn_mask is not None:  # a constant on every path: no gradient flows to it
+        attn_mask = attn_mask.detach()
+        if attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(q.dtype)  # PyTorch wants a float mask in q's dtype
     if (q.device.type == "cpu" and _backward_needed(q, k, v)
             and lk <= _CPU_EXPLICIT_MAX_KEYS.get(q.dtype, 0) and dropout_p == 0):
         return attention_reference(q, k, v, causal=causal or False, attn_mask=attn_mask,
                                    scale=scale)
     if dropout_p == 0.0 and attn_mask is None and causal in (None, "top_left"):
-        # No row can be empty: top-left causal always allows key 0.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal is not None, scale=scale)
+        # No row can be empty: top-left causal always allows key 0. PyTorch's fused CPU kernel
+        # turns a NaN query row into zeros only without a mask: a zero (1, 1, 1, Lk) mask, which
+        # costs nothing measurable, makes it propagate the NaN; causal calls (and GPUs, whose
+        # kernels fastattn does not test for it) check q instead.
+        if causal is not None or q.device.type != "cpu":
+            return _with_nan_rows(F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal is not None, scale=scale), q)
+        zero = q.new_zeros(1, 1, 1, lk)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=zero, scale=scale)
     mask = _allowed_mask(causal, attn_mask, lq, lk, q.device)
     empty = None
     if mask is not None:  # empty rows attend uniformly (finite), then read zero: zero gradients
@@ -235,6 +264,8 @@ def _attention_torch(q, k, v, causal, attn_mask, dropout_p, scale):
         mask = mask | empty if mask.dtype == torch.bool else mask.masked_fill(empty, 0.0)
     if dropout_p == 0.0:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        if q.device.type != "cpu":  # on CPU the masked fused kernel propagates NaN itself
+            out = _with_nan_rows(out, q)
     else:  # PyTorch's dropout draws its mask internally; draw ours so tests can reproduce it
         keep = _dropout_keep_mask(q, k, dropout_p)
         out = attention_reference(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale,
@@ -255,10 +286,8 @@ def _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale) -> None:
     if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)} and v "
                          f"{tuple(v.shape)} must be (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, D)")
-    if q.shape[2] == 0 or k.shape[2] == 0 or q.shape[3] == 0:
-        raise ValueError(f"attention: lengths and head dim must be >= 1, got q {tuple(q.shape)}"
-                         f" and k {tuple(k.shape)}")
-    if not (q.dtype == k.dtype == v.dtype) or not q.is_floating_point():
+    check_float("attention", q=q, k=k, v=v)
+    if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"attention: q, k, v must share one floating dtype, got {q.dtype}, "
                         f"{k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -269,7 +298,7 @@ def _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale) -> None:
                          f"got {causal!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"attention: dropout_p must be in [0, 1), got {dropout_p}")
-    if scale is not None and not math.isfinite(scale):
+    if scale is not None and not math.isfinite(float(scale)):
         raise ValueError(f"attention: scale must be finite, got {scale}")
     if attn_mask is not None:
         if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
@@ -287,6 +316,13 @@ def _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale) -> None:
             raise ValueError(f"attention: attn_mask on {attn_mask.device}, q on {q.device}")
 
 
+def _attention_empty(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA's result where q or k is empty (B, H, Lq, Lk or D = 0), differentiably, with no
+    kernel launched: (q k^T) v is (B, H, Lq, D), empty or, for Lk = 0, zeros (each row attends
+    to no key), and its gradients are SDPA's (zeros or empty). NaNs in q meet no key: zeros."""
+    return (q @ k.transpose(-2, -1)) @ v
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
               causal: bool | str = False, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
@@ -296,20 +332,26 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     is_causal=causal, scale=scale), except that rows allowed no key return zeros with zero
     gradients. causal: False, True / "top_left" (key j <= query i, PyTorch's alignment) or
     "bottom_right" (j <= i + Lk - Lq). attn_mask: bool (True = attend) or float (added),
-    broadcastable to (B, H, Lq, Lk); no gradient flows to it. scale defaults to D ** -0.5.
-    What runs is fastattn.backend.implementation("attention", ...): the Triton kernels (fp16,
-    bf16, fp32; head dims up to 256), fastattn._C's CPU kernels (fp32, bf16) or PyTorch.
+    broadcastable to (B, H, Lq, Lk); a constant: no gradient flows to it, even if it requires
+    one. scale defaults to D ** -0.5. q, k, v: float16, bfloat16, float32 or float64. Empty
+    inputs give SDPA's empty (or, for Lk = 0, zero) output; a NaN in a query row gives NaN in
+    that output row, on every path. What runs is fastattn.backend.implementation("attention",
+    ...): the Triton kernels (fp16, bf16, fp32; head dims up to 256, wider ones fall back),
+    fastattn._C's CPU kernels (fp32, bf16) or PyTorch.
     """
     _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale)
+    if q.numel() == 0 or k.numel() == 0:
+        return _attention_empty(q, k, v)
     alignment = CAUSAL_ALIGNMENTS[causal]
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     impl = implementation("attention", q.device, q.dtype, _backward_needed(q, k, v),
-                          masked=attn_mask is not None or alignment is not None)
+                          masked=attn_mask is not None or alignment is not None,
+                          head_dim=q.shape[-1])
     if impl == "torch":
         return _attention_torch(q, k, v, alignment, attn_mask, dropout_p, scale)
-    if impl.startswith("triton") and q.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"attention: the Triton kernels support head dims up to "
-                         f"{MAX_HEAD_DIM}, got {q.shape[-1]}")
+    assert not impl.startswith("triton") or q.shape[-1] <= MAX_HEAD_DIM, impl
+    if attn_mask is not None:
+        attn_mask = attn_mask.detach()  # the op's autograd gives it no gradient anyway
     rng = _philox_seed_offset() if dropout_p > 0 else None
     out, _ = _attention_forward_op(q, k, v, attn_mask, rng, alignment, float(dropout_p), scale,
                                    impl)

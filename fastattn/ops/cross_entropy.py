@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastattn.backend import implementation
+from fastattn.backend import check_float, implementation
 from fastattn.kernels import cross_entropy as kernels
 
 REDUCTIONS = ("none", "sum", "mean")
+TARGET_DTYPES = (torch.int64, torch.int32)  # both work on every path, forward and backward
 CHUNK_ELEMENTS = 2**24  # logits per linear_cross_entropy chunk: 64 MB in fp32
 
 
@@ -134,13 +135,14 @@ def _reduce(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, reducti
     return total / (target != ignore_index).sum().clamp(min=1)  # a device-side count
 
 
-def _check(kind, logits, target, smoothing, reduction):
+def _check(kind, logits, target, smoothing, reduction, op="label_smoothed_cross_entropy"):
     if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
         raise ValueError(
             f"{kind} needs (N, {'H' if kind == 'hidden' else 'V'}) {kind} and (N,) target "
             f"(flatten leading dims), got {tuple(logits.shape)} and {tuple(target.shape)}"
         )
-    if target.dtype not in (torch.int64, torch.int32):
+    check_float(op, **{kind: logits})
+    if target.dtype not in TARGET_DTYPES:
         raise ValueError(f"target must hold class indices (int64 or int32), got {target.dtype}")
     if not 0.0 <= smoothing <= 1.0:
         raise ValueError(f"smoothing must be in [0, 1], got {smoothing}")
@@ -150,14 +152,17 @@ def _check(kind, logits, target, smoothing, reduction):
 
 def _check_targets(target, vocab, ignore_index):
     """On CPU, where it costs no device sync, reject targets outside [0, V); on GPUs (and inside
-    torch.compile) such rows get a NaN loss from the kernels, an index error from PyTorch."""
+    torch.compile) such rows get a NaN loss from the kernels, an index error from PyTorch.
+    Returns the targets as int64, the one index dtype every path reads (int32 is copied)."""
     if target.device.type == "cpu" and not torch.compiler.is_compiling():
         bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
         if bad.any():
+            row = int(bad.nonzero()[0, 0])
             raise ValueError(
-                f"target {target[bad][0].item()} is out of range for {vocab} classes "
-                f"(ignore_index={ignore_index})"
+                f"target {target[row].item()} is out of range for {vocab} classes "
+                f"(ignore_index={ignore_index}), first at row {row}"
             )
+    return target.long()
 
 
 def cross_entropy_reference(
@@ -189,7 +194,9 @@ def label_smoothed_cross_entropy(
     return_nll: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction,
-    label_smoothing=smoothing) for logits (N, V) of any float dtype and target (N,).
+    label_smoothing=smoothing) for logits (N, V) of any float dtype (float16, bfloat16,
+    float32, float64) and target (N,) class indices, int64 or int32 (forward and backward on
+    every path, where F.cross_entropy takes int64 only).
 
     The loss has the logits' dtype, as F.cross_entropy's; "mean" over only ignored targets is 0,
     not NaN. With return_nll=True returns (loss, nll): nll is the unsmoothed negative
@@ -199,7 +206,7 @@ def label_smoothed_cross_entropy(
     fastattn.backend.implementation("label_smoothed_cross_entropy", ...).
     """
     _check("logits", logits, target, smoothing, reduction)
-    _check_targets(target, logits.shape[1], ignore_index)
+    target = _check_targets(target, logits.shape[1], ignore_index)
     impl = implementation("label_smoothed_cross_entropy", logits.device, logits.dtype)
     if logits.numel() and impl.startswith("triton"):
         loss, nll, _ = _cross_entropy_fwd(
@@ -382,7 +389,8 @@ def _linear_cross_entropy_bwd(
     empty without bias): the backward of reduction="none", recomputing the logits chunk-wise."""
     with torch.autocast(hidden.device.type, enabled=False):
         _, _, dh, dw, db = _linear_cross_entropy_chunks(
-            hidden, weight, bias, target, smoothing, ignore_index, grad_rows.float(),
+            hidden, weight, bias, target, smoothing, ignore_index,
+            grad_rows.float().contiguous(),  # sum()'s backward gives a stride-0 grad_rows
             _chunk_implementation(hidden, True),
         )
     return dh, dw, db
@@ -440,11 +448,13 @@ def linear_cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """label_smoothed_cross_entropy(hidden @ weight.T + bias, target, ...) without the (N, V)
     logits ever existing in full: hidden (N, H), weight (V, H) (the tied embedding), bias (V,),
-    target (N,). Runs in chunks of CHUNK_ELEMENTS logits, each with the Triton loss kernels or
-    PyTorch (per the backend) and matmuls in the autocast dtype when autocast is on. Loss dtype
-    and return_nll as label_smoothed_cross_entropy's, with hidden's dtype (after autocast).
+    target (N,) int64 or int32. Runs in chunks of CHUNK_ELEMENTS logits, each with the Triton
+    loss kernels or PyTorch (per the backend) and matmuls in the autocast dtype when autocast is
+    on. Loss dtype and return_nll as label_smoothed_cross_entropy's, with hidden's dtype (after
+    autocast).
     """
-    _check("hidden", hidden, target, smoothing, reduction)
+    _check("hidden", hidden, target, smoothing, reduction, "linear_cross_entropy")
+    check_float("linear_cross_entropy", weight=weight, bias=bias)
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(
             f"weight must be (V, {hidden.shape[1]}) for hidden {tuple(hidden.shape)}, "
@@ -452,7 +462,7 @@ def linear_cross_entropy(
         )
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
-    _check_targets(target, weight.shape[0], ignore_index)
+    target = _check_targets(target, weight.shape[0], ignore_index)
     if torch.is_autocast_enabled(hidden.device.type):  # cast once, not once per chunk
         dtype = torch.get_autocast_dtype(hidden.device.type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)

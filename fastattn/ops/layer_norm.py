@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastattn.backend import implementation, native_reads_as_is
+from fastattn.backend import check_float, implementation, native_reads_as_is
 from fastattn.kernels import layer_norm as kernels
 from fastattn.kernels.layer_norm import MAX_FEATURES, separate_dresidual
 
@@ -192,7 +192,8 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
     if not training or p == 0.0:
-        return x
+        return x  # as F.dropout: the identity, for any dtype
+    check_float("dropout", x=x)
     if x.device.type != "cpu":
         return F.dropout(x, p, training)
     if implementation("dropout", x.device, x.dtype) == "fastattn._C":
@@ -227,7 +228,8 @@ def layer_norm_residual(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """LayerNorm(residual + dropout(x)) over the last dimension, with optional affine parameters.
 
-    x and residual (or None) share a shape (..., N); weight and bias are (N,) or None. Dropout is
+    x and residual (or None) share a shape (..., N); weight and bias are (N,) or None; all are
+    float16, bfloat16, float32 or float64 (other dtypes raise TypeError naming them). Dropout is
     applied to x with probability `dropout_p`: pass 0.0 outside training. With
     `return_residual=True` returns (y, residual + dropout(x)), the stream a pre-norm stack
     carries on. The output dtype is the promotion of x's and residual's dtypes. The Triton
@@ -237,6 +239,7 @@ def layer_norm_residual(
     float32 copies, and float64 runs dropout(), an add and F.layer_norm. All draw their dropout
     randomness from torch's generator: torch.manual_seed reproduces it.
     """
+    check_float("layer_norm_residual", x=x, residual=residual, weight=weight, bias=bias)
     N = x.shape[-1]
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
