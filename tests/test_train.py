@@ -1,10 +1,11 @@
 """fastattn.train: the schedule, one update (accumulation, NaN guard), flags, bad input, and an
-exact resume after SIGKILL."""
+exact resume after SIGKILL, SIGINT and SIGTERM (tests/test_train_faults.py: the other faults)."""
 
 import importlib.util
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -438,12 +439,24 @@ def test_no_truecase_trains_on_the_text_as_it_is_and_a_resumed_run_keeps_it(tmp_
         "train"].src_ids
 
 
+FLAGS = {"plain": ("--bpe-dropout", "0"),
+         "bpe-and-word-dropout": ("--bpe-dropout", "0.1", "--word-dropout", "0.1"),
+         "bidirectional": ("--bidirectional", "10"), "no-truecase": ("--no-truecase",)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [("--bpe-dropout", "0"),
-                                   ("--bpe-dropout", "0.1", "--word-dropout", "0.1"),
-                                   ("--bidirectional", "10"), ("--no-truecase",)],
-                         ids=["plain", "bpe-and-word-dropout", "bidirectional", "no-truecase"])
-def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
+@pytest.mark.parametrize(("flags", "signum"), [
+    *((name, signal.SIGKILL) for name in FLAGS),
+    ("plain", signal.SIGINT), ("plain", signal.SIGTERM),
+    ("bpe-and-word-dropout", signal.SIGINT), ("bidirectional", signal.SIGTERM),
+], ids=lambda value: value.name if isinstance(value, signal.Signals) else value)
+def test_sigkill_and_resume_continue_exactly(tmp_path, flags, signum):
+    """A run killed (SIGKILL: after its checkpoint at update 8) or stopped (SIGINT, SIGTERM: at
+    a random update, seeded) and resumed gives the uninterrupted run's every loss, weights and
+    final model, bit for bit. A stopped run saves after the update in flight (between its
+    regular checkpoints: checkpoint_<step>_interrupted.pt, which the final model does not
+    average) and exits 128 + the signal with one line saying how to continue."""
+    name, flags = flags, FLAGS[flags]
     paths = corpus(tmp_path)
     updates, kill_after = 24, 8
     reference = subprocess.run(
@@ -458,33 +471,56 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, flags):
 
     run_dir = tmp_path / "run"
     command = train_command(paths, run_dir, "--max-updates", updates, "--save-every", 4, *flags)
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env=TORCH_OPS)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=TORCH_OPS)
     deadline = time.time() + 600
-    while not (run_dir / f"checkpoint_{kill_after:08d}.pt").exists():
-        assert process.poll() is None, "the run ended before it could be killed"
+    if signum == signal.SIGKILL:
+        def due():
+            return (run_dir / f"checkpoint_{kill_after:08d}.pt").exists()
+    else:  # after a random number of updates, up to some before the end
+        stop_after = random.Random(f"{name} {signum.name}").randint(2, updates - 10)
+
+        def due():
+            log = run_dir / "metrics.jsonl"
+            return log.exists() and log.read_text().count("\n") >= stop_after
+    while not due():
+        assert process.poll() is None, "the run ended before it could be stopped"
         assert time.time() < deadline
-        time.sleep(0.05)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    resumed_from = checkpoint.load_checkpoint(checkpoint.list_checkpoints(run_dir)[-1])
-    start = resumed_from["meta"]["step"]
-    assert kill_after <= start < updates
+        time.sleep(0.02)
+    process.send_signal(signum)
+    out, err = process.communicate(timeout=600)
+    resumed_from = checkpoint.list_resumable(run_dir)[-1]
+    start = checkpoint.load_checkpoint(resumed_from)["meta"]["step"]
+    if signum == signal.SIGKILL:
+        assert kill_after <= start < updates
+    else:
+        assert process.returncode == 128 + signum and "Traceback" not in err, err
+        assert stop_after <= start < updates
+        stopped = run_dir / (f"checkpoint_{start:08d}.pt" if start % 4 == 0 else
+                             f"checkpoint_{start:08d}_interrupted.pt")
+        assert resumed_from == stopped
+        assert err.strip().splitlines()[-1] == (
+            f"stopped by {signum.name} after update {start}: saved {stopped}; rerun the same "
+            "command with --resume to continue")
+        assert sorted(losses(run_dir / "metrics.jsonl")) == list(range(1, start + 1))
 
     resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True,
                              timeout=600, env=TORCH_OPS)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout and f"at update {start}" in resumed.stdout
+    assert f"resumed from {resumed_from} at update {start}" in resumed.stdout
     # The log holds every update once: what the killed run logged after its last checkpoint
     # was dropped and logged again by the resumed run, with the same values.
     after = losses(run_dir / "metrics.jsonl")
     assert sorted(after) == list(range(1, updates + 1))
     for step, value in after.items():
         assert value == expected[step], f"update {step} differs"
-    final_ref = checkpoint.load_checkpoint(tmp_path / "ref" / f"checkpoint_{updates:08d}.pt")
-    final_run = checkpoint.load_checkpoint(run_dir / f"checkpoint_{updates:08d}.pt")
-    for name, tensor in final_ref["model"].items():
-        assert torch.equal(tensor, final_run["model"][name]), name
+    for name in (f"checkpoint_{updates:08d}.pt", "checkpoint_final.pt"):
+        final_ref = checkpoint.load_checkpoint(tmp_path / "ref" / name)
+        final_run = checkpoint.load_checkpoint(run_dir / name)
+        for key, tensor in final_ref["model"].items():
+            assert torch.equal(tensor, final_run["model"][key]), f"{name}: {key}"
+    assert [p.name for p in checkpoint.list_resumable(run_dir)] == [
+        p.name for p in checkpoint.list_resumable(tmp_path / "ref")]  # the interrupted one gone
 
 
 def test_choose_alpha_keeps_the_best_dev_bleu_and_the_first_of_ties(monkeypatch):
