@@ -483,7 +483,7 @@ def test_resume_keeps_the_checkpoints_precision_without_measuring_again(tmp_path
 
     command = [*train_command(paths, tmp_path / "run", "--max-updates", 2, "--save-every", 2,
                               "--precision", "auto")[3:]]
-    monkeypatch.setattr(train_module.run, "pick_precision",
+    monkeypatch.setattr(train_module.precision, "pick_precision",
                         lambda name, device: pick(name, device, "fp32"))
     code, out, err = in_process(command, monkeypatch, capsys)
     assert code == 0, err
@@ -492,7 +492,7 @@ def test_resume_keeps_the_checkpoints_precision_without_measuring_again(tmp_path
     assert saved["meta"]["precision"] == "fp32"
     # On a busier machine the measurement would now pick bf16: resuming does not measure.
     calls.clear()
-    monkeypatch.setattr(train_module.run, "pick_precision",
+    monkeypatch.setattr(train_module.precision, "pick_precision",
                         lambda name, device: pick(name, device, "bf16"))
     code, out, err = in_process([*command, "--max-updates", 3, "--resume"], monkeypatch, capsys)
     assert code == 0, err

@@ -16,11 +16,14 @@ lr = lr_scale · d_model^-0.5 · min(step^-0.5, step · warmup^-1.5).
 The modules, each depending only on those before it:
 - config: TrainConfig, the run's typed, frozen settings, as checkpoints store them, and what a
   resumed run may change;
-- precision: --precision, measured on a CPU;
+- precision: --precision, measured on a CPU, kept by a resumed run;
 - flags: the command line (argparse), its checks, and the TrainConfig it makes;
 - step: the schedule, the loss module and one update (train_step);
 - corpus: the text and its vocabulary; pairs: the training pairs and their batches;
 - evaluation: decoding, BLEU and the dev loss;
+- signals: SIGINT and SIGTERM stop a run after the update in flight, with a checkpoint;
+- savedir: the save directory, locked and never shared by two runs; the checkpoint to resume
+  from; the metrics log; one-line errors;
 - run: Run, one training run with its checkpoints;
 - final: the final model's length penalty, test BLEU and training curves;
 - members: --members, an ensemble trained by one or more processes;
@@ -42,7 +45,8 @@ from fastattn.train.members import (
     train_ensemble,
 )
 from fastattn.train.precision import BF16_MIN_SPEEDUP, bf16_matmul_speedup, pick_precision
-from fastattn.train.run import Run, one_line_errors
+from fastattn.train.run import Run
+from fastattn.train.savedir import one_line_errors
 from fastattn.train.step import LossModule, StepResult, learning_rate, train_step
 
 __all__ = [

@@ -12,7 +12,8 @@ from fastattn.train.config import TrainConfig
 from fastattn.train.final import finish
 from fastattn.train.flags import parse_args
 from fastattn.train.members import train_ensemble
-from fastattn.train.run import Run, one_line_errors
+from fastattn.train.run import Run
+from fastattn.train.savedir import one_line_errors
 
 
 def main(argv: list[str] | None = None) -> None:

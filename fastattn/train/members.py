@@ -24,7 +24,8 @@ from fastattn.train import savedir, signals
 from fastattn.train.config import TrainConfig
 from fastattn.train.final import finish, plot_metrics, score_final
 from fastattn.train.precision import pick_precision
-from fastattn.train.run import Run, one_line_errors
+from fastattn.train.run import Run
+from fastattn.train.savedir import one_line_errors
 
 try:
     from tqdm import tqdm

@@ -1,10 +1,15 @@
-"""The numeric precision of training: --precision auto measures on a CPU what bf16 gains."""
+"""The numeric precision of training: --precision auto measures on a CPU what bf16 gains; a
+resumed run keeps its checkpoint's."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
 BF16_MIN_SPEEDUP = 1.25  # a bf16 step also pays for casts, so its matmuls must win clearly
 
@@ -48,3 +53,38 @@ def pick_precision(name: str, device: torch.device) -> tuple[torch.dtype | None,
         raise SystemExit("error: --precision fp16 needs a GPU; use bf16 or fp32 on CPU")
     dtypes = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     return dtypes[name], name == "fp16", why
+
+
+def choose_precision(args, state: dict[str, Any] | None, resume: Path | None,
+                     device: torch.device, distributed: bool, log: Callable[[str], None]
+                     ) -> tuple[torch.dtype | None, torch.amp.GradScaler | None, str]:
+    """(autocast dtype or None, loss scaler or None, "fp32", "bf16" or "fp16") of a run
+    (args: its TrainConfig), logged. A run resumed from the checkpoint `state` keeps the
+    precision that trained it (--precision auto is not measured again: a busier machine could
+    choose otherwise and the run would no longer be the uninterrupted one's), unless
+    --precision names another."""
+    saved = None
+    if state is not None:
+        saved = state["meta"].get("precision")
+        flags = state["meta"].get("config") or state["meta"].get("args") or {}
+        if saved is None and flags.get("precision", "auto") != "auto":
+            saved = flags["precision"]  # asked for by name
+    name = args.precision
+    if saved is not None and name == "auto":
+        name, why = saved, f"kept from {resume.name}"
+    elif saved is not None and name != saved:
+        log(f"--resume: --precision {name} instead of the checkpoint's {saved}; the run goes "
+            "on with it, so it is no longer the uninterrupted run's")
+    autocast, use_scaler, measured = pick_precision(name, device)
+    if name == args.precision:
+        why = args.precision_why or measured  # measured once for every member
+    if distributed and device.type == "cpu":  # each rank measured: rank 0 decides
+        use_bf16 = torch.tensor([autocast is not None])
+        dist.broadcast(use_bf16, 0)
+        autocast = torch.bfloat16 if use_bf16.item() else None
+    scaler = torch.amp.GradScaler(device.type) if use_scaler else None
+    chosen = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[autocast]
+    described = {"fp32": "fp32", "bf16": "bf16 autocast",
+                 "fp16": "fp16 autocast with dynamic loss scaling"}[chosen]
+    log(f"device {device}, {torch.get_num_threads()} threads per process, {described} ({why})")
+    return autocast, scaler, chosen

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
@@ -17,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from fastattn import checkpoint, data
+from fastattn import checkpoint
 from fastattn._extras import MissingExtraError
 from fastattn.model import Transformer, TransformerConfig
 from fastattn.train import savedir, signals
@@ -31,7 +29,8 @@ from fastattn.train.config import (
 from fastattn.train.corpus import prepare_corpus
 from fastattn.train.evaluation import bleu_scores, dev_loss, translate
 from fastattn.train.pairs import TrainingPairs
-from fastattn.train.precision import pick_precision
+from fastattn.train.precision import choose_precision
+from fastattn.train.savedir import WriteError
 from fastattn.train.step import LossModule, learning_rate, train_step
 
 try:
@@ -90,7 +89,8 @@ class Run:
             resume, state = savedir.resume_point(args.save_dir, self.log, move_corrupt=self.main)
             if resume is None:
                 self.log(f"--resume: no checkpoint in {args.save_dir} yet, starting afresh")
-        self.pick_precision(state, resume)
+        self.autocast, self.scaler, self.precision = choose_precision(
+            args, state, resume, self.device, self.distributed, self.log)
 
         if state is not None:
             for note in resume_notes(args, state, resume):
@@ -145,37 +145,6 @@ class Run:
         else:
             self.trainer = loss_module
         self.last_save = time.time()
-
-    def pick_precision(self, state: dict[str, Any] | None, resume: Path | None) -> None:
-        """The autocast dtype and loss scaler: a resumed run keeps the precision its
-        checkpoint trained in (--precision auto is not measured again: a busier machine could
-        choose otherwise), unless --precision names another."""
-        args = self.args
-        saved = None
-        if state is not None:
-            saved = state["meta"].get("precision")
-            if saved is None and saved_flags(state["meta"]).get("precision") != "auto":
-                saved = saved_flags(state["meta"]).get("precision")  # asked for by name
-        name = args.precision
-        if saved is not None and name == "auto":
-            name, why = saved, f"kept from {resume.name}"
-        elif saved is not None and name != saved:
-            self.log(f"--resume: --precision {name} instead of the checkpoint's {saved}; the run "
-                     "goes on with it, so it is no longer the uninterrupted run's")
-        self.autocast, use_scaler, measured = pick_precision(name, self.device)
-        if name == args.precision:
-            why = args.precision_why or measured  # measured once for every member
-        if self.distributed and self.device.type == "cpu":  # each rank measured: rank 0 decides
-            use_bf16 = torch.tensor([self.autocast is not None])
-            dist.broadcast(use_bf16, 0)
-            self.autocast = torch.bfloat16 if use_bf16.item() else None
-        self.scaler = torch.amp.GradScaler(self.device.type) if use_scaler else None
-        self.precision = {None: "fp32", torch.bfloat16: "bf16",
-                          torch.float16: "fp16"}[self.autocast]
-        precision = {"fp32": "fp32", "bf16": "bf16 autocast",
-                     "fp16": "fp16 autocast with dynamic loss scaling"}[self.precision]
-        self.log(f"device {self.device}, {torch.get_num_threads()} threads per process, "
-                 f"{precision} ({why})")
 
     def map_outside_targets(self, output_size: int) -> None:
         """Resumed on other training text: its target pieces outside the output vocabulary
@@ -411,28 +380,3 @@ class Run:
                      f"[{time.time() - started:.0f}s]")
         if self.distributed:
             dist.barrier()
-
-
-
-class WriteError(RuntimeError):
-    """A file the run could not write; the message names it, the cause and the last good
-    checkpoint."""
-
-
-@contextlib.contextmanager
-def one_line_errors() -> Iterator[None]:
-    """Bad data, bad checkpoints and an unusable save directory end the process with one
-    `error: ...` line and status 2; files that cannot be written (WriteError, OSError) with one
-    line and status 1."""
-    try:
-        yield
-    except (data.DataError, checkpoint.CheckpointError, savedir.SaveDirError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except WriteError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(1)
-    except OSError as e:
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{checkpoint.describe(e)}", file=sys.stderr)
-        sys.exit(1)

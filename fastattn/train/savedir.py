@@ -10,6 +10,7 @@
 - trim_metrics(): the metrics log as a resumed run continues it: unreadable lines (a kill
   mid-line) and the records after the checkpoint or of the final model are dropped.
 - append_line(): a metrics record appended whole or not at all.
+- one_line_errors(): what stops a run early, as one `error:` line.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import json
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fastattn import checkpoint
+from fastattn import checkpoint, data
 from fastattn.train.config import TrainConfig
 
 LOCK_NAME = "train.lock"
@@ -216,3 +218,27 @@ def append_line(path: str | Path, line: str) -> None:
             raise checkpoint.naming(e, path) from e
     finally:
         os.close(fd)
+
+
+class WriteError(RuntimeError):
+    """A file the run could not write; the message names it, the cause and the last good
+    checkpoint."""
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Bad data, bad checkpoints and an unusable save directory end the process with one
+    `error: ...` line and status 2; files that cannot be written (WriteError, OSError) with one
+    line and status 1."""
+    try:
+        yield
+    except (data.DataError, checkpoint.CheckpointError, SaveDirError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except WriteError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{checkpoint.describe(e)}", file=sys.stderr)
+        sys.exit(1)
