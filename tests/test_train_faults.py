@@ -161,6 +161,15 @@ def test_an_ensembles_member_directories_count_as_the_earlier_run(tmp_path):
     assert refused.returncode == 2
     assert "holds another run's checkpoints (member2/checkpoint_00000200.pt)" in \
         one_error_line(refused.stderr)
+    # --resume with --members 1: no checkpoint of a single model to go on from, and starting
+    # afresh would replace the ensemble's final model
+    refused = run([*train_command(paths, tmp_path / "run"), "--resume"])
+    assert refused.returncode == 2
+    assert one_error_line(refused.stderr) == (
+        f"error: {tmp_path / 'run'} holds another run's checkpoints (member2/"
+        "checkpoint_00000200.pt) but no checkpoint that a single model can resume from (other "
+        "--members?); give that run's flags, or start this one in another --save-dir, or give "
+        "--overwrite to delete them first")
 
 
 # --- I/O faults ----------------------------------------------------------------------------
@@ -532,11 +541,12 @@ def test_resume_on_new_training_text_trains_its_unknown_target_pieces_as_unk(tmp
 
 def test_a_first_signal_asks_the_updates_to_stop_and_a_second_stops_at_once():
     before = signal.getsignal(signal.SIGINT)
-    with signals.handled(quiet=True):
+    with signals.handled():
         with pytest.raises(signals.Interrupted) as outside:  # outside the updates: at once
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(1)
         assert outside.value.code == 143
+    with signals.handled():
         with signals.deferred():
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.01)  # the handler runs
@@ -544,10 +554,18 @@ def test_a_first_signal_asks_the_updates_to_stop_and_a_second_stops_at_once():
             with pytest.raises(signals.Interrupted) as again:
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(1)
-        assert again.value.code == 130
+        assert again.value.code == 130 and again.value.at_once
         assert again.value.message() == ("stopped by SIGINT before the first checkpoint: "
                                          "nothing to resume from")
     assert signal.getsignal(signal.SIGINT) is before  # put back
+    # An ensemble member's process: the parent passes its signals on and may get them from its
+    # process group too; one stops the member after the update in flight, repeats change nothing.
+    with signals.handled(member=True):
+        with signals.deferred():
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)
+            assert signals.requested() == signal.SIGTERM
 
 
 @pytest.mark.slow

@@ -182,7 +182,7 @@ def _member_job(members: Sequence[TrainConfig], stints: Sequence[Stint], job: in
     if bar_lock is not None:
         tqdm.set_lock(bar_lock)
     try:
-        with signals.handled(quiet=True), one_line_errors():
+        with signals.handled(member=True), one_line_errors():
             train_stints(members, stints, job, jobs, shared)
     except Stopped:
         sys.exit(1)
@@ -243,7 +243,7 @@ def train_ensemble(args: TrainConfig) -> Run:
                 if child.is_alive() and interrupted is None:
                     child.terminate()
                 child.join()
-    if interrupted is not None and children:
+    if interrupted is not None and children and not interrupted.at_once:
         raise signals.Interrupted(interrupted.signum, done="each member saved a checkpoint "
                                   "(the lines above name them)")
     if interrupted is not None:

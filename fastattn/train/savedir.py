@@ -63,20 +63,39 @@ def claimed(args: TrainConfig, log: Callable[[str], None]) -> Iterator[None]:
             log(f"--overwrite: deleted the {len(earlier)} files of the earlier run in "
                 f"{directory}")
         elif earlier and not args.resume:
-            names = [os.path.relpath(p, directory) for p in earlier]
-            what = "checkpoints" if any(".pt" in n for n in names) else "metrics log"
-            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3
-                                             else "")
             raise SaveDirError(
-                f"{directory} holds another run's {what} ({shown}); continue that run with "
-                "--resume, or start this one in another --save-dir, or give --overwrite to "
-                "delete them first")
+                f"{directory} holds another run's {_listed(earlier, directory)}; continue that "
+                "run with --resume, or start this one in another --save-dir, or give "
+                "--overwrite to delete them first")
+        elif args.resume and not _resumable(args) and any(".pt" in p.name for p in earlier):
+            # e.g. a single run's --resume in an ensemble's directory: starting afresh there
+            # would replace its final model
+            shape = f"an ensemble of {args.members}" if args.members > 1 else "a single model"
+            raise SaveDirError(
+                f"{directory} holds another run's {_listed(earlier, directory)} but no "
+                f"checkpoint that {shape} can resume from (other --members?); give that run's "
+                "flags, or start this one in another --save-dir, or give --overwrite to delete "
+                "them first")
         for stale in _stale_tmp(directory):
             stale.unlink(missing_ok=True)
             log(f"removed {stale}, left by an interrupted save")
         yield
     finally:
         os.close(fd)  # releases the lock
+
+
+def _listed(files: list[Path], directory: Path) -> str:
+    names = [os.path.relpath(p, directory) for p in files]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{'checkpoints' if any('.pt' in n for n in names) else 'metrics log'} ({shown})"
+
+
+def _resumable(args: TrainConfig) -> bool:
+    """Whether the run has a checkpoint to resume from (ensemble members: any of theirs)."""
+    directory = Path(args.save_dir)
+    dirs = [directory / f"member{k + 1}" for k in range(args.members)] if args.members > 1 \
+        else [directory]
+    return any(checkpoint.list_resumable(d) for d in dirs)
 
 
 def _lock(directory: Path) -> int:

@@ -7,7 +7,7 @@ SIGINT, 143 for SIGTERM), without a traceback. A second signal, or one outside t
 (reading the text, the final decoding, waiting for another job), raises Interrupted at once:
 what is saved is saved atomically, so stopping anywhere loses at most the updates since the
 last checkpoint. Signals are passed on to the processes of `forwarding()` (ensemble members
-training side by side), each of which saves its own checkpoint.
+training side by side), each of which saves its own checkpoint; a second one kills them.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ class Interrupted(KeyboardInterrupt):
     """A run stopped by a signal; `saved` is the checkpoint it saved on the way out, if any."""
 
     def __init__(self, signum: int, saved: Path | None = None, step: int | None = None,
-                 done: str | None = None) -> None:
+                 done: str | None = None, at_once: bool = False) -> None:
         super().__init__(signum)
         self.signum, self.saved, self.step, self.done = signum, saved, step, done
+        self.at_once = at_once  # a second signal: nothing saved on the way out
 
     @property
     def code(self) -> int:
@@ -49,10 +50,11 @@ class Interrupted(KeyboardInterrupt):
 
 class _State:
     def __init__(self) -> None:
+        self.signals = 0  # how many this process got
         self.requested: int | None = None  # the signal a deferred() region was sent
         self.deferring = 0
         self.children: list[int] = []
-        self.quiet = False
+        self.member = False
         self.checkpoint: Path | None = None  # the newest this process saved or resumed from
 
 
@@ -60,30 +62,36 @@ _state = _State()
 
 
 def _handle(signum: int, frame) -> None:
-    for pid in _state.children:
+    _state.signals += 1
+    first = _state.signals == 1
+    for pid in _state.children:  # a second signal stops them at once: their saves are atomic
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
-    name = signal.Signals(signum).name
-    if _state.deferring and _state.requested is None:
+            os.kill(pid, signum if first else signal.SIGKILL)
+    if not first and _state.member:
+        return  # the same signal again (a process group's and the parent's): the parent decides
+    if _state.deferring and first:
         _state.requested = signum
-        if not _state.quiet:  # os.write: print() is not safe inside a signal handler
-            os.write(2, f"{name}: saving a checkpoint after the update in flight (send it "
-                        "again to stop at once)\n".encode())
+        if not _state.member:  # os.write: print() is not safe inside a signal handler
+            os.write(2, f"{signal.Signals(signum).name}: saving a checkpoint after the update "
+                        "in flight (send it again to stop at once)\n".encode())
         return
-    raise Interrupted(signum)
+    raise Interrupted(signum, at_once=not first)
 
 
 @contextlib.contextmanager
-def handled(quiet: bool = False) -> Iterator[None]:
+def handled(member: bool = False) -> Iterator[None]:
     """SIGINT and SIGTERM raise Interrupted (or, in deferred(), ask the run to stop) while the
-    context lasts; the handlers before it come back after. quiet: no notice on stderr when a
-    signal arrives (ensemble members: their parent says it)."""
+    context lasts; the handlers before it come back after.
+
+    member: a process training ensemble members for its parent, which passes its signals on;
+    one signal stops it (the same signal may come twice, from the parent and to a whole process
+    group), no notice on stderr (the parent gives it), and only the parent stops it at once."""
     if threading.current_thread() is not threading.main_thread():
         yield  # handlers can only be set in the main thread
         return
     before = {signum: signal.getsignal(signum) for signum in SIGNALS}
     _state.__init__()
-    _state.quiet = quiet
+    _state.member = member
     for signum in SIGNALS:
         signal.signal(signum, _handle)
     try:
