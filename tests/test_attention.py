@@ -509,3 +509,69 @@ def test_head_dims_above_256_fall_back_instead_of_raising(seeded, d, grad):
         _check_against_reference(q, k, v, atol=1e-5, causal=True)
     else:
         torch.testing.assert_close(attention(q, k, v), attention_reference(q, k, v))
+
+
+# The launchers at the hardware's limits. CUDA caps grid axes 1 and 2 at 65,535 programs: every
+# launch of a batch of B x H = 65,552 heads must keep within them. The launch is recorded, not
+# run (the interpreter would take minutes for 65,552 programs).
+class _RecordedLaunch:
+    def __init__(self, grids: list) -> None:
+        self.grids = grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return lambda *args, **kwargs: None
+
+
+def test_launch_grids_keep_within_cuda_limits_for_any_batch_times_heads(monkeypatch):
+    from fastattn.kernels import attention as kernels
+
+    grids = []
+    for name in ("_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq",
+                 "_dropout_keep_mask_kernel"):
+        monkeypatch.setattr(kernels, name, _RecordedLaunch(grids))
+    b, h, lq, lk, d = 4097, 16, 1, 3, 64  # 4,097 one-token sentences x 16 heads
+    q, k, v = torch.zeros(b, h, lq, d), torch.zeros(b, h, lk, d), torch.zeros(b, h, lk, d)
+    mask = torch.ones(b, 1, 1, lk, dtype=torch.bool)
+    rng = torch.tensor([1, 2])
+    out, lse = kernels.attention_forward(q, k, v, mask, rng, None, 0.1, 0.125)
+    kernels.attention_backward(out, q, k, v, out, lse, mask, rng, None, 0.1, 0.125)
+    kernels.dropout_keep_mask(b, h, lq, lk, 0.1, rng, q.device)
+    assert len(grids) == 5
+    for grid in grids:
+        assert 1 <= len(grid) <= 3 and grid[0] < 2**31
+        assert all(n <= 65_535 for n in grid[1:]), grid
+    assert grids[0] == (b * h,)  # one query block per head
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the Triton kernels themselves, on CPU tensors "
+                    "only under the interpreter")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_offsets_past_2_to_the_31_elements_address_the_right_rows(seeded, dtype):
+    """A query and a mask whose row stride times the row index passes 2**31: the kernels compute
+    such products in 64 bits (32-bit ones wrap to a wild address). The big buffers are virtual:
+    only the rows the views cover are ever written."""
+    from fastattn.kernels import attention as kernels
+
+    lq, lk, d, row = 3, 17, 16, 2**30 + 64  # row 2 of q and of the mask lies past 2**31
+
+    def far_apart(compact: torch.Tensor) -> torch.Tensor:
+        buffer = torch.empty(row * (lq - 1) + compact.shape[-1], dtype=compact.dtype)
+        view = buffer.as_strided(compact.shape, (0, 0, row, 1))
+        return view.copy_(compact)
+
+    q = torch.randn(1, 1, lq, d, dtype=dtype)
+    k, v = torch.randn(2, 1, 1, lk, d, dtype=dtype)
+    mask = torch.rand(1, 1, lq, lk) > 0.3
+    mask[..., 0] = True
+    grad_out = torch.randn(1, 1, lq, d, dtype=dtype)
+    for causal in (None, "top_left"):
+        expected = kernels.attention_forward(q, k, v, mask, None, causal, 0.0, d**-0.5)
+        got = kernels.attention_forward(far_apart(q), k, v, far_apart(mask), None, causal, 0.0,
+                                        d**-0.5)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        grads = kernels.attention_backward(grad_out, q, k, v, *expected, mask, None, causal, 0.0,
+                                           d**-0.5)
+        far_grads = kernels.attention_backward(grad_out, far_apart(q), k, v, *expected,
+                                               far_apart(mask), None, causal, 0.0, d**-0.5)
+        assert all(torch.equal(a, b) for a, b in zip(far_grads, grads, strict=True))
