@@ -29,12 +29,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.last < 1:
         parser.error("--last must be at least 1")
-    if Path(args.output).is_dir():  # checked before hours of loading
-        parser.error(f"--output {args.output} is a directory; give the averaged checkpoint a "
-                     f"file name (e.g. {Path(args.output) / 'checkpoint_averaged.pt'})")
-    if args.dir and not Path(args.dir).is_dir():
-        parser.error(f"--dir {args.dir}: " + ("is a file, not a directory"
-                                              if Path(args.dir).exists() else "no such directory"))
+    problem = None
+    if Path(args.output).is_dir():  # found before the checkpoints are read, not after
+        problem = (f"--output {args.output} is a directory; give the averaged checkpoint a file "
+                   f"name (e.g. {Path(args.output) / 'checkpoint_averaged.pt'})")
+    elif args.dir and not Path(args.dir).is_dir():
+        problem = f"--dir {args.dir}: " + ("is a file, not a directory"
+                                           if Path(args.dir).exists() else "no such directory")
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     try:
         paths = args.inputs or list_checkpoints(args.dir)[-args.last:]
         if args.dir and len(paths) < args.last:

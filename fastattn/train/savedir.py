@@ -6,7 +6,8 @@
   another run's checkpoints or metrics (continue it with --resume, or give another --save-dir,
   or --overwrite to delete them first); temporary files an interrupted save left are removed.
 - resume_point(): the newest checkpoint that verifies and has training state; those it skips
-  are named, and corrupt ones moved aside (<name>.corrupt).
+  are named and moved aside (<name>.corrupt, <name>.no-training-state). A --resume that would
+  start afresh over another run's checkpoints (other --members) is refused.
 - trim_metrics(): the metrics log as a resumed run continues it: unreadable lines (a kill
   mid-line) and the records after the checkpoint or of the final model are dropped.
 - append_line(): a metrics record appended whole or not at all.
@@ -221,7 +222,7 @@ def drop_final_records(path: str | Path, log: Callable[[str], None]) -> None:
 def append_line(path: str | Path, line: str) -> None:
     """Appends a line whole or not at all: a failed write (a full disk) is cut off again."""
     path = Path(path)
-    data = memoryview(line.encode())
+    rest = memoryview(line.encode())
     if path.is_dir():
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -229,8 +230,8 @@ def append_line(path: str | Path, line: str) -> None:
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
         try:
-            while data:
-                data = data[os.write(fd, data):]
+            while rest:
+                rest = rest[os.write(fd, rest):]
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, start)
