@@ -147,3 +147,21 @@ def test_a_bad_flag_is_a_short_usage_line_and_the_error(command):
     assert len(lines) <= 3, result.stderr  # not the page-long usage of every flag
     assert lines[0].startswith(f"usage: python -m {command}")
     assert lines[-1].startswith(f"python -m {command}: error: ")
+
+
+def test_ctrl_c_while_a_command_imports_torch_is_one_line():
+    import signal
+    import time
+
+    process = subprocess.Popen([sys.executable, "-m", "fastattn.info"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    # torch's library is mapped early in `import torch`, which fastattn/__init__.py starts after
+    # installing its handler; the rest of the import takes seconds.
+    while "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text():
+        assert time.time() < deadline and process.poll() is None
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert stderr.strip() == "interrupted" and stdout == ""

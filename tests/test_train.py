@@ -533,7 +533,7 @@ def test_choose_alpha_keeps_the_best_dev_bleu_and_the_first_of_ties(monkeypatch)
         args=parse_args(["--alpha", "0.6,1.0,1.5,2.0"]), splits={"valid": SimpleNamespace(
             text=SimpleNamespace(src=["a"]))}, step=7,
         write_metrics=lambda record, path: records.append(record), log=lambda message: None,
-        source_truecaser=None)
+        source_truecaser=None, progress=False)
     assert train_module.choose_alpha(run, model=None, sp=None, metrics=None) == 1.5
     assert records[0]["alpha"] == 1.5 and records[0]["alpha_dev_tok_bleu"] == dev_bleu
     run.args = parse_args(["--alpha", "2"])  # one value: no decoding

@@ -51,7 +51,7 @@ def score_final(run: Run, state: dict[str, Any], save_dir: Path, metrics: Path,
     started = time.time()
     hyps = translate(model, sp, split.text.src, beam=args.beam, alpha=alpha,
                      max_len_b=args.max_len_b, batch_tokens=args.eval_batch_tokens,
-                     truecaser=run.source_truecaser)
+                     truecaser=run.source_truecaser, progress=run.progress)
     scores = bleu_scores(hyps, split, args.tgt)
     ratio, _ = evaluate.length_ratio(hyps, split.text.tgt)  # final report only, not dev evals
     output = save_dir / f"{name}.hyp.{args.tgt}"
@@ -81,7 +81,7 @@ def choose_alpha(run: Run, model: Transformer | Ensemble, sp, metrics: Path) -> 
         hyps = translate(model, sp, dev.text.src, beam=run.args.beam, alpha=alpha,
                         max_len_b=run.args.max_len_b,
                         batch_tokens=run.args.eval_batch_tokens,
-                        truecaser=run.source_truecaser)
+                        truecaser=run.source_truecaser, progress=run.progress)
         found[alpha] = bleu_scores(hyps, dev, run.args.tgt)["tok_bleu"]
     best = max(alphas, key=found.__getitem__)  # ties: the first given
     run.write_metrics({"step": run.step, "alpha_dev_tok_bleu": found, "alpha": best,

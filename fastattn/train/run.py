@@ -279,6 +279,12 @@ class Run:
             signum = int(flag.item()) or None
         return signum
 
+    @property
+    def progress(self) -> bool | None:
+        """The progress-bar setting for this run's decodes: none with --no-progress, else
+        evaluation.translate's own rule (a terminal, no other bar open)."""
+        return False if self.args.no_progress else None
+
     def train(self, until: int | None = None) -> None:
         """Trains to the end, or pauses after update `until` with a checkpoint there (an ensemble
         member whose updates two jobs share). SIGINT or SIGTERM: saves after the update in
@@ -368,7 +374,7 @@ class Run:
             hyps = translate(self.model, self.sp, dev.text.src, beam=1, alpha=0.0,
                              max_len_b=self.args.max_len_b,
                              batch_tokens=self.args.eval_batch_tokens,
-                             truecaser=self.source_truecaser)
+                             truecaser=self.source_truecaser, progress=self.progress)
             scores = bleu_scores(hyps, dev, self.args.tgt)
             self.write_metrics({"step": self.step, "epoch": self.epoch, "dev_loss": loss,
                                 "dev_ppl": math.exp(min(nll, 50)),
