@@ -1,0 +1,71 @@
+"""Registers, spills and tensor-core instructions of the attention kernels for each feature set
+the model launches, at candidate tile sizes, for sm_80 and sm_90: the evidence for choosing block
+tables per variant and per architecture (issue 49 item 2). Compiles only (no GPU); about 3 s per
+compilation on one core the first time (Triton caches them).
+
+    python -m benchmarks.attention_tiles [--kernel _attn_bwd_dkdv] [--head-dim 64] [--json PATH]
+
+Prints one line per (kernel, head dim, dtype, variant, tile, arch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from dataclasses import asdict
+
+from fastattn.kernels import attention
+from fastattn.kernels.compile_report import compile_config
+
+# The feature sets the model and the drop-in launch: (MASK_KIND, KEY_MASK, CAUSAL, DROPOUT);
+# "heaviest" is the one the shipped tables were sized for, which the model never launches.
+VARIANTS = {
+    "key padding": (attention.BOOL_MASK, True, False, False),  # encoder self, cross attention
+    "key padding+dropout": (attention.BOOL_MASK, True, False, True),
+    "causal": (attention.NO_MASK, False, True, False),  # decoder self-attention
+    "causal+dropout": (attention.NO_MASK, False, True, True),
+    "heaviest": (attention.BOOL_MASK, False, True, True),  # mask per query + causal + dropout
+}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates; the first of each is the shipped d=64 one.
+TILES = {
+    "_attn_fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+    "_attn_bwd_dkdv": [(64, 32, 8, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2),
+                       (64, 128, 8, 2)],
+    "_attn_bwd_dq": [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kernel", nargs="+", default=list(TILES), choices=list(TILES))
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtype", nargs="+", default=["fp16", "bf16"])
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    parser.add_argument("--json", help="also write the rows as JSON")
+    args = parser.parse_args(argv)
+    rows = []
+    for name in args.kernel:
+        fn = getattr(attention, name)
+        for d, dtype, (variant, (mask, key, causal, dropout)), tile, arch in itertools.product(
+                args.head_dim, args.dtype, VARIANTS.items(), TILES[name], args.arch):
+            block_m, block_n, warps, stages = tile
+            config = dict(
+                name=f"{name} d={d} {dtype} {variant} {tile}", fn=fn,
+                signature=attention._kernel_signature(fn, dtype, mask, d),
+                constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+                                MASK_KIND=mask, KEY_MASK=key, CAUSAL=causal, DROPOUT=dropout,
+                                DOT_PRECISION="tf32"),
+                num_warps=warps, num_stages=stages)
+            result = compile_config(attention.__name__, config, arch)
+            rows.append(asdict(result))
+            matmul = "wgmma" if result.wgmma else "mma" if result.mma else "-"
+            print(f"{result.name:<60} sm_{arch}  regs {result.registers:>3}  spill "
+                  f"{result.spill_bytes:>5}  {matmul}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
