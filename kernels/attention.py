@@ -357,7 +357,8 @@ def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offse
 # - fp32 inputs: half the tiles or less. By default (torch's allow_tf32 off) the exact fp32
 #   product runs on FMA units, with the operands in registers; with tf32 allowed, on tensor
 #   cores. Both compile without spills from the same entries.
-# Ampere and Hopper share the table; the report shows which entries Hopper runs on wgmma.
+# Ampere and Hopper share the table except where SM90_BWD_DKDV_CONFIGS (below) differs; the
+# report shows which entries Hopper runs on wgmma.
 # ---------------------------------------------------------------------------------------------
 
 FWD_CONFIGS = {  # (block_d, element size) -> config
@@ -378,11 +379,24 @@ BWD_DQ_CONFIGS = {
     (16, 4): (32, 32, 4, 2), (32, 4): (32, 32, 4, 2), (64, 4): (32, 32, 4, 2),
     (128, 4): (32, 32, 8, 2), (256, 4): (16, 16, 8, 1),
 }
+# Hopper takes 128 keys per dK/dV program at head dim 64 in 16 bits: 8 warps then form wgmma's
+# 64-row tiles (32 keys cannot), at 153-199 registers for the variants the model launches and 236
+# for the heaviest, without spills; on sm_80 the same tile needs 236-255, so Ampere keeps the
+# shared entry (docs/benchmark-notes.md, `python -m benchmarks.attention_tiles`).
+SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2)}
 DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
 
 
 def _block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))  # tl.dot needs at least 16
+
+
+def _sm(x: torch.Tensor) -> int:
+    """The compute capability the launch runs on, as 80 or 90 (the interpreter: 80)."""
+    if not x.is_cuda:
+        return 80
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return 10 * major + minor
 
 
 def _config(table: dict, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -428,23 +442,33 @@ def compile_configs() -> list[dict]:
     table entry (padded head dim x element size; bf16 shares fp16's tiles, and head dims such as
     40, 80, 96 their padded entry's; fp32 both exact and with tf32 allowed) for the forward, both
     backward passes and the Delta pass. Each kernel is compiled in its heaviest feature set (bool
-    mask per query, causal, dropout), which holds the most live registers."""
+    mask per query, causal, dropout), which holds the most live registers. An entry only one
+    architecture launches (SM90_BWD_DKDV_CONFIGS's) names it in "archs"."""
     variants = {2: [("fp16", "tf32")], 4: [("fp32", "ieee"), ("fp32 tf32", "tf32")]}
     configs = []
     for block_d, element_size in FWD_CONFIGS:
         dtype = torch.float16 if element_size == 2 else torch.float32
         for label, precision in variants[element_size]:
             dtype_name = label.split()[0]
-            for kernel, table in ((_attn_fwd, FWD_CONFIGS), (_attn_bwd_dkdv, BWD_DKDV_CONFIGS),
-                                  (_attn_bwd_dq, BWD_DQ_CONFIGS)):
+            tables = [(_attn_fwd, FWD_CONFIGS, ""), (_attn_bwd_dkdv, BWD_DKDV_CONFIGS, ""),
+                      (_attn_bwd_dq, BWD_DQ_CONFIGS, "")]
+            key = (block_d, element_size)
+            if SM90_BWD_DKDV_CONFIGS[key] != BWD_DKDV_CONFIGS[key]:
+                tables.append((_attn_bwd_dkdv, SM90_BWD_DKDV_CONFIGS, " sm90-tile"))
+            for kernel, table, suffix in tables:
                 block_m, block_n, num_warps, num_stages = _config(table, block_d, dtype)
-                configs.append(dict(
-                    name=f"{kernel.__name__} d={block_d} {label} mask+causal+dropout", fn=kernel,
-                    signature=_kernel_signature(kernel, dtype_name, BOOL_MASK, block_d),
+                config = dict(
+                    name=f"{kernel.__name__} d={block_d} {label} mask+causal+dropout{suffix}",
+                    fn=kernel, signature=_kernel_signature(kernel, dtype_name, BOOL_MASK, block_d),
                     constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=block_m,
                                     BLOCK_N=block_n, MASK_KIND=BOOL_MASK, KEY_MASK=False,
                                     CAUSAL=True, DROPOUT=True, DOT_PRECISION=precision),
-                    num_warps=num_warps, num_stages=num_stages))
+                    num_warps=num_warps, num_stages=num_stages)
+                if kernel is _attn_bwd_dkdv and SM90_BWD_DKDV_CONFIGS[key] != table[key]:
+                    config["archs"] = (70, 80)  # Hopper launches the sm90-tile entry instead
+                elif suffix:
+                    config["archs"] = (90,)
+                configs.append(config)
         dtype_name = _TRITON_DTYPES[dtype]
         configs.append(dict(
             name=f"_attn_bwd_delta d={block_d} {dtype_name}", fn=_attn_bwd_delta,
@@ -532,7 +556,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                offset)
     flags = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), **mask_flags, CAUSAL=causal is not None,
                  DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype))
-    block_m, block_n, num_warps, num_stages = _config(BWD_DKDV_CONFIGS, d, q.dtype)
+    dkdv_table = SM90_BWD_DKDV_CONFIGS if _sm(q) == 90 else BWD_DKDV_CONFIGS
+    block_m, block_n, num_warps, num_stages = _config(dkdv_table, d, q.dtype)
     _attn_bwd_dkdv[(triton.cdiv(lk, block_n) * b * h,)](
         q, k, v, mask, grad_out, lse, delta, dk, dv, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)

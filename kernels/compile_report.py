@@ -19,6 +19,7 @@ listing every configuration its launchers can pick, one dict per compilation wit
     constexprs  {constexpr argument name: value}
     num_warps   int
     num_stages  int
+    archs       optional: the compute capabilities that launch it (default: all)
 and the report compiles each one for every requested architecture with triton.compile. Triton
 caches compiled kernels (~/.triton/cache), so a second run only re-reads the binaries.
 
@@ -147,7 +148,8 @@ def collect(modules=KERNEL_MODULES, archs=DEFAULT_ARCHS, jobs: int = 1,
         if hasattr(module, "compile_configs"):  # an op without Triton kernels has none
             configs = module.compile_configs()
             indices = subset_indices(module_name, configs) if subset else range(len(configs))
-            work += [(module_name, i, arch) for i in indices for arch in archs]
+            work += [(module_name, i, arch) for i in indices for arch in archs
+                     if arch in configs[i].get("archs", archs)]
     if jobs <= 1:
         return [_compile_one(*args) for args in work]
     context = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch state
