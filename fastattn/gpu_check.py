@@ -31,8 +31,8 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -138,16 +138,15 @@ DTYPES = {"fp16": (torch.float16, False), "bf16": (torch.bfloat16, False),
           "fp32": (torch.float32, False), "fp32+tf32": (torch.float32, True)}
 
 
-def tf32(allowed: bool):
-    class Setting:
-        def __enter__(self):
-            self.before = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = allowed
-
-        def __exit__(self, *exc):
-            torch.backends.cuda.matmul.allow_tf32 = self.before
-
-    return Setting()
+@contextmanager
+def tf32(allowed: bool) -> Iterator[None]:
+    """fp32 matmuls with or without tf32 (the kernels follow torch's setting)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
 
 
 def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor):

@@ -392,7 +392,8 @@ def _block_d(head_dim: int) -> int:
 
 
 def _sm(x: torch.Tensor) -> int:
-    """The compute capability the launch runs on, as 80 or 90 (the interpreter: 80)."""
+    """The compute capability a launch on x runs on, as 10 x major + minor (80 under the
+    interpreter): the block tables differ for 90."""
     if not x.is_cuda:
         return 80
     major, minor = torch.cuda.get_device_capability(x.device)
