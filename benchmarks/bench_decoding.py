@@ -1,184 +1,283 @@
-"""Decoding throughput, beam 4, "pow" length penalty (α = 0.6) for comparability, same weights:
-fastattn (Transformer.beam_search, the translator's path: on CPU the cached decoder and the
-search in one native call) against CTranslate2 float32 (the converted model,
-fastattn.ctranslate2_convert) and against a plain PyTorch beam search that re-runs the decoder on
-the whole prefix every step (no cache) and keeps finished sentences in the batch; batch 64 and
-batch 1 on Multi30k test2016 sources, with the share of sentences whose greedy and beam outputs
-are the same in CTranslate2 as in fastattn. Also an ensemble of two such models
-(fastattn.Ensemble, what `./run train` makes), and the per-step bookkeeping of native against
-python.
+"""Decoding throughput against CTranslate2: beam 4, "pow" length penalty (α = 0.6) for
+comparability, the same weights in both systems, Multi30k test2016 sources.
 
-The model: FASTATTN_BENCH_CHECKPOINT if set, else the default run's final checkpoint
-(checkpoints/multi30k-en-de/checkpoint_final.pt, from `./run train`) if present, else a random
-model of the same shape (`multi30k` preset, 8000 pieces; outputs then run to max_len: the
-throughput is comparable, the translations meaningless). An ensemble checkpoint gives its first
-member as the model and its first two as the ensemble; otherwise the ensemble is the model twice.
-Ratios come from one run.
+Every cell is (model, precision, batch size) and times each system in each of its
+configurations of the CPU's cores, decoding the same batches:
+- fastattn: Transformer.beam_search (the translator's path: on CPU the cached decoder and the
+  search in one native call), as 1 worker x all cores' threads, and as one worker per core with
+  one thread each (fastattn.workers.Workers, several batches at once);
+- CTranslate2 (the model converted by fastattn.ctranslate2_convert): inter_threads=1 x
+  intra_threads=cores, and inter_threads=cores x intra_threads=1, every batch submitted
+  asynchronously so that its workers decode at once.
+The report (benchmarks/report.py) sets fastattn's best configuration against CTranslate2's best in
+the same cell. "cores busy" (process CPU seconds / wall seconds over the timed calls) shows
+whether a configuration kept every core working.
+
+Models: `multi30k`, the default preset: FASTATTN_BENCH_CHECKPOINT if set, else the default run's
+final checkpoint (checkpoints/multi30k-en-de/checkpoint_final.pt, from `./run train`) if present,
+else random; and `d512-6+6`, always random: d_model 512, 6+6 layers, 8 heads, d_ff 2048, 8000
+pieces. A random model's outputs run to MAX_LEN tokens (EOS is as unlikely as any other of 8000
+pieces), so every sentence is the same work in both systems: the mean output length is recorded
+per row, and the share of outputs identical to fastattn's (the same in fp32: same weights, same
+search). An ensemble checkpoint gives its first member as the model and its first two as the
+ensemble timed alone (fastattn only, fp32: the shipped model is an ensemble); otherwise the
+ensemble is the model twice.
+
+Precisions: fp32 against CTranslate2's float32, int8 against its int8 (fastattn's
+`precision="int8"`), bf16 against its bfloat16; fastattn's cells run for the precisions
+fastattn.decoding.PRECISIONS lists, CTranslate2's for those it supports on this CPU
+(ctranslate2.get_supported_compute_types). The 1-minute load average before and after each cell
+goes into the results: CTranslate2's OpenMP threads collapse when another process shares the
+cores, and the report says when a run was not quiet.
+
+Duration: a full run (FASTATTN_BENCH_QUICK unset) takes about 17 minutes on 2 cores (Zen 4 /
+Sapphire Rapids class): d512-6+6 is almost all of it, 128 sentences at batch 64, 32 at 16 and 8
+at 1, four timed or untimed calls of each configuration; fastattn bf16 cells, if they land, add
+about 4 minutes. The quick mode runs every cell on short outputs and small batches (2-3 min).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.common import CORES, QUICK, measure
-from fastattn import data
+from fastattn import data, decoding
 from fastattn.ensemble import Ensemble
+from fastattn.model import Transformer
 from fastattn.search import beam_search_step_python
 
-BEAM, ALPHA, MAX_LEN = 4, 0.6, 40
-SENTENCES = {64: 8 if QUICK else 64, 1: 2 if QUICK else 8}
+try:  # issue 51's workers (item 2): the cells of several fastattn workers skip until it lands
+    from fastattn import workers as fastattn_workers
+except ImportError:
+    fastattn_workers = None
 
+BEAM, ALPHA = 4, 0.6
+MAX_LEN = 8 if QUICK else 40
+BATCHES = (4, 2, 1) if QUICK else (64, 16, 1)
+# One batch per worker at the larger sizes: each worker has a batch to itself. Batch 1 takes four
+# per worker, to average over source lengths.
+BATCHES_PER_WORKER = {BATCHES[0]: 1, BATCHES[1]: 1, 1: 1 if QUICK else 4}
+# (workers, threads per worker): one worker with every core's threads, and one worker per core.
+CONFIGS = sorted({(1, CORES), (CORES, 1)})
+# fastattn's name of a precision -> CTranslate2's compute_type.
+COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16"}
+# The precisions Transformer.beam_search takes; fp32 only before its `precision` keyword.
+FASTATTN_PRECISIONS = getattr(decoding, "PRECISIONS", ("fp32",))
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / \
     "multi30k-en-de" / "checkpoint_final.pt"
 
 
-def load():
-    """(model, ensemble of two, SentencePiece model, what the model is)."""
-    path = os.environ.get("FASTATTN_BENCH_CHECKPOINT") or (
-        DEFAULT_CHECKPOINT if DEFAULT_CHECKPOINT.exists() else None)
-    if path:
-        from fastattn.checkpoint import load_model
+@dataclass
+class Model:
+    model: Transformer
+    ensemble: Ensemble
+    sp: object  # sentencepiece.SentencePieceProcessor
+    kind: str  # what it is, for the report
 
-        model, sp, _ = load_model(path)
-        kind = f"trained ({Path(path).name})"
-        if isinstance(model, Ensemble):
-            first, second = model.members[:2]
-            return first, Ensemble([first, second]).eval(), sp, f"{kind}, its first member"
-        return model.eval(), Ensemble([model, copy.deepcopy(model)]).eval(), sp, kind
-    from fastattn.model import Transformer
+    def sources(self, n: int) -> list[list[int]]:
+        text = data.load_multi30k("test2016", "en", "de").src[:n]
+        return [self.sp.encode(s) + [self.sp.eos_id()] for s in text]
 
+
+@functools.cache
+def random_sentencepiece():
     text = data.load_multi30k("train", "en", "de")
-    sp = data.load_sentencepiece(data.train_sentencepiece(list(text.src) + list(text.tgt), 8000))
+    return data.load_sentencepiece(data.train_sentencepiece(list(text.src) + list(text.tgt), 8000))
+
+
+@functools.cache
+def load(name: str) -> Model:
+    """The model of that name (see the module docstring), built on first use."""
+    if name == "multi30k":
+        path = os.environ.get("FASTATTN_BENCH_CHECKPOINT") or (
+            DEFAULT_CHECKPOINT if DEFAULT_CHECKPOINT.exists() else None)
+        if path:
+            from fastattn.checkpoint import load_model
+
+            model, sp, _ = load_model(path)
+            kind = f"multi30k, trained ({Path(path).name})"
+            if isinstance(model, Ensemble):
+                first, second = model.members[:2]
+                return Model(first, Ensemble([first, second]).eval(), sp, f"{kind}, 1st member")
+            return Model(model.eval(), Ensemble([model, copy.deepcopy(model)]).eval(), sp, kind)
+        shape = {}
+    else:
+        shape = dict(d_model=512, encoder_layers=6, decoder_layers=6, heads=8, d_ff=2048)
     torch.manual_seed(0)
-    model = Transformer.from_preset("multi30k", vocab_size=8000, dropout=0.0).eval()
-    return model, Ensemble([model, copy.deepcopy(model)]).eval(), sp, "random (untrained)"
+    model = Transformer.from_preset("multi30k", vocab_size=8000, dropout=0.0, **shape).eval()
+    return Model(model, Ensemble([model, copy.deepcopy(model)]).eval(), random_sentencepiece(),
+                 f"{name}, random (untrained)")
 
 
-MODEL, ENSEMBLE, SP, MODEL_KIND = load()
-SOURCES = [SP.encode(s) + [SP.eos_id()] for s in data.load_multi30k("test2016", "en", "de").src]
+MODELS = ("multi30k", "d512-6+6")
 
 
-def padded(batch):
-    source = torch.full((len(batch), max(map(len, batch))), SP.pad_id(), dtype=torch.long)
+def padded(model: Model, batch: list[list[int]]) -> torch.Tensor:
+    source = torch.full((len(batch), max(map(len, batch))), model.sp.pad_id(), dtype=torch.long)
     for i, ids in enumerate(batch):
         source[i, : len(ids)] = torch.tensor(ids)
     return source
 
 
-def fastattn_decode(batch, beam=BEAM, model=MODEL):
-    """The product's path (fastattn.Translator's): Transformer.beam_search, one native call
-    (an Ensemble's: fastattn.beam_search over its members' cached decoder steps)."""
-    return model.beam_search(padded(batch), beam_size=beam, bos_id=SP.bos_id(),
-                             eos_id=SP.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
-                             length_penalty="pow")
+def fastattn_decoder(model: Model, precision: str, beam: int = BEAM, ensemble: bool = False):
+    """One batch through the product's path (fastattn.Translator's): Transformer.beam_search,
+    one native call (an Ensemble's: fastattn.beam_search over its members' cached steps)."""
+    decoder = model.ensemble if ensemble else model.model
+    # fp32 is the default, and the only precision before beam_search has the keyword.
+    options = {} if precision == "fp32" else {"precision": precision}
 
-
-def ensemble_decode(batch, beam=BEAM):
-    return fastattn_decode(batch, beam, ENSEMBLE)
-
-
-@torch.inference_mode()
-def plain_decode(batch):
-    """Straightforward batched beam search: no cache, finished sentences stay in the batch."""
-    n, eos = len(batch), SP.eos_id()
-    memory, mask = MODEL.encode(padded(batch))
-    memory, mask = memory.repeat_interleave(BEAM, 0), mask.repeat_interleave(BEAM, 0)
-    tokens = torch.full((n * BEAM, 1), SP.bos_id())
-    scores = torch.zeros(n, BEAM)
-    scores[:, 1:] = -torch.inf
-    finished = [[] for _ in range(n)]
-    for t in range(1, MAX_LEN + 2):
-        hidden = MODEL.decode(tokens, memory, mask)[:, -1]
-        logprobs = torch.log_softmax(torch.nn.functional.linear(hidden, MODEL.embedding.weight), -1)
-        vocab = logprobs.shape[1]
-        candidates = (scores.view(-1, 1) + logprobs).view(n, -1)
-        top, index = candidates.topk(2 * BEAM, 1)
-        rows, next_tokens, next_scores = [], [], []
-        for s in range(n):
-            live = []
-            for j in range(2 * BEAM):
-                row, token = s * BEAM + int(index[s, j]) // vocab, int(index[s, j]) % vocab
-                if token == eos or t == MAX_LEN + 1:
-                    if j < BEAM and len(finished[s]) < BEAM:
-                        finished[s].append((float(top[s, j]) / t**ALPHA, tokens[row, 1:].tolist()))
-                elif len(live) < BEAM:
-                    live.append((row, token, float(top[s, j])))
-            if len(finished[s]) >= BEAM:
-                live = [(s * BEAM, eos, -torch.inf)] * BEAM
-            for row, token, score in live:
-                rows.append(row), next_tokens.append(token), next_scores.append(score)
-        if all(len(f) >= BEAM for f in finished):
-            break
-        tokens = torch.cat([tokens[rows], torch.tensor(next_tokens)[:, None]], 1)
-        scores = torch.tensor(next_scores).view(n, BEAM)
-    return [max(f) for f in finished]
-
-
-def ctranslate2_decoder():
-    ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 (bench extra) missing")
-    from fastattn.ctranslate2_convert import convert
-
-    directory = tempfile.mkdtemp(prefix="fastattn-ct2-")
-    convert(MODEL, SP, directory, force=True)
-    translator = ctranslate2.Translator(directory, device="cpu", compute_type="float32",
-                                        intra_threads=torch.get_num_threads())
-
-    def decode(batch, beam=BEAM):
-        pieces = [SP.id_to_piece(ids) for ids in batch]
-        return translator.translate_batch(pieces, beam_size=beam, length_penalty=ALPHA,
-                                          max_decoding_length=MAX_LEN, min_decoding_length=0)
+    def decode(batch):
+        return decoder.beam_search(padded(model, batch), beam_size=beam, bos_id=model.sp.bos_id(),
+                                   eos_id=model.sp.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
+                                   length_penalty="pow", **options)
 
     return decode
 
 
-def same_outputs(ctranslate2_decode, sources, beam):
-    """The fraction of sentences whose best output is the same token sequence in fastattn and
-    CTranslate2 (beam 1: greedy)."""
-    ours = [hyps[0].tokens for hyps in fastattn_decode(sources, beam)]
-    theirs = [r.hypotheses[0] for r in ctranslate2_decode(sources, beam)]
-    eos = SP.eos_id()
-    ours = [SP.id_to_piece(t[:-1] if t and t[-1] == eos else t) for t in ours]
-    return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(sources)
+def fastattn_pieces(model: Model, outputs) -> list[list[str]]:
+    """Each sentence's best output as pieces without EOS, CTranslate2's form."""
+    eos = model.sp.eos_id()
+    best = [hyps[0].tokens for batch in outputs for hyps in batch]
+    return [model.sp.id_to_piece(t[:-1] if t and t[-1] == eos else t) for t in best]
 
 
-SYSTEMS = {"fastattn": lambda: fastattn_decode, "fastattn-ensemble-of-2": lambda: ensemble_decode,
-           "pytorch-plain": lambda: plain_decode, "ctranslate2-float32": ctranslate2_decoder}
+@functools.cache
+def ctranslate2_model(name: str) -> str:
+    """The model converted to CTranslate2 (float32; CTranslate2 quantizes when it loads)."""
+    from fastattn.ctranslate2_convert import convert
+
+    model = load(name)
+    return str(convert(model.model, model.sp, tempfile.mkdtemp(prefix="fastattn-ct2-")))
 
 
-@pytest.fixture
-def threads(request):
-    """Every system runs with this many threads (CTranslate2's intra_threads, torch's threads):
-    all cores, and one, where a batch-1 search loses less to synchronisation."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(previous)
+def ctranslate2_translator(name: str, precision: str, workers: int, threads: int):
+    ctranslate2 = pytest.importorskip("ctranslate2", reason="ctranslate2 (bench extra) missing")
+    compute_type = COMPUTE_TYPES[precision]
+    if compute_type not in ctranslate2.get_supported_compute_types("cpu"):
+        pytest.skip(f"CTranslate2 has no {compute_type} on this CPU")
+    return ctranslate2.Translator(ctranslate2_model(name), device="cpu",
+                                  compute_type=compute_type, inter_threads=workers,
+                                  intra_threads=threads)
 
 
-@pytest.mark.parametrize("threads", sorted({CORES, 1}, reverse=True), indirect=True,
-                         ids=lambda n: f"{n}threads")
-@pytest.mark.parametrize("batch_size", [64, 1])
-@pytest.mark.parametrize("system", list(SYSTEMS))
-def test_decoding_throughput(benchmark, system, batch_size, threads):
-    decode = SYSTEMS[system]()
-    sources = SOURCES[: SENTENCES[batch_size]]
+def ctranslate2_decoder(model: Model, translator, beam: int = BEAM):
+    """Decodes batches of ids: each submitted at once (asynchronous), so that every one of the
+    translator's workers takes one; returns each sentence's best output as pieces."""
+
+    def decode_all(batches):
+        pending = [translator.translate_batch([model.sp.id_to_piece(ids) for ids in batch],
+                                              asynchronous=True, beam_size=beam,
+                                              length_penalty=ALPHA, max_decoding_length=MAX_LEN,
+                                              min_decoding_length=0)
+                   for batch in batches]
+        return [result.result().hypotheses[0] for batch in pending for result in batch]
+
+    return decode_all
+
+
+def share_same(ours: list[list[str]], theirs: list[list[str]]) -> float:
+    return sum(a == b for a, b in zip(ours, theirs, strict=True)) / len(ours)
+
+
+# Each cell's outputs from fastattn's first configuration, which the later rows compare with.
+REFERENCE_OUTPUTS: dict[tuple[str, str, int], list[list[str]]] = {}
+
+
+def timed(benchmark, decode_all, batches, *, group: str, model: Model, **info) -> list:
+    """measure() of decode_all(batches), recording sentences/s, cores busy, the mean output
+    length and the load average around it; returns the last call's outputs (pieces)."""
+    last, clock = {}, {"cpu": 0.0, "wall": 0.0}
+
+    def call():
+        cpu, wall = time.process_time(), time.perf_counter()
+        last["outputs"] = decode_all(batches)
+        clock["cpu"] += time.process_time() - cpu
+        clock["wall"] += time.perf_counter() - wall
+
+    sentences = sum(map(len, batches))
+    load_before = os.getloadavg()[0]
+    measure(benchmark, call, group=group, min_rounds=2, sentences=sentences, beam=BEAM,
+            length_penalty="pow", alpha=ALPHA, max_len=MAX_LEN, model=model.kind, **info)
+    benchmark.extra_info["load_1min_before"] = load_before
+    benchmark.extra_info["load_1min_after"] = os.getloadavg()[0]
+    benchmark.extra_info["cores_busy"] = clock["cpu"] / clock["wall"]
+    if benchmark.stats is not None:
+        benchmark.extra_info["sentences_per_s"] = sentences / benchmark.stats.stats.median
+    return last["outputs"]
+
+
+@pytest.mark.parametrize("workers,threads", CONFIGS, ids=[f"{w}x{t}" for w, t in CONFIGS])
+@pytest.mark.parametrize("system", ["fastattn", "ctranslate2"])
+@pytest.mark.parametrize("batch_size", BATCHES, ids=lambda n: f"batch{n}")
+@pytest.mark.parametrize("precision", list(COMPUTE_TYPES))
+@pytest.mark.parametrize("name", MODELS)
+def test_decoding_throughput(benchmark, name, precision, batch_size, system, workers, threads):
+    """One row of a cell: `system` in one configuration (`workers` x `threads`)."""
+    if system == "fastattn" and precision not in FASTATTN_PRECISIONS:
+        pytest.skip(f"fastattn.decoding.PRECISIONS has no {precision}")
+    if system == "fastattn" and workers > 1 and fastattn_workers is None:
+        pytest.skip("no fastattn.workers")
+    model = load(name)
+    sources = model.sources(batch_size * CORES * BATCHES_PER_WORKER[batch_size])
     batches = [sources[i : i + batch_size] for i in range(0, len(sources), batch_size)]
-    info = {}
-    if system == "ctranslate2-float32":  # the outputs compared, as well as the speed
-        info = {"same_greedy_outputs": same_outputs(decode, sources, 1),
-                "same_beam_outputs": same_outputs(decode, sources, BEAM)}
-    measure(benchmark, lambda: [decode(b) for b in batches],
-            group=f"decoding-batch{batch_size}-{threads}thread{'s' if threads > 1 else ''}",
-            min_rounds=2, impl=system, baseline="ctranslate2-float32", sentences=len(sources),
-            threads=threads, beam=BEAM, length_penalty="pow", alpha=ALPHA, model=MODEL_KIND,
-            **info)
+    info = dict(group=f"decoding {name} {precision} batch{batch_size}", model=model,
+                impl=f"{system} {workers}×{threads}", system=system, model_name=name,
+                precision=precision, batch_size=batch_size, workers=workers, threads=threads)
+
+    if system == "fastattn":
+        if fastattn_workers is not None:  # the configuration Translator takes by default
+            info["default"] = fastattn_workers.choose(batch_size, CORES) == (workers, threads)
+        decode = fastattn_decoder(model, precision)
+        if workers == 1:
+            previous = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            try:
+                outputs = timed(benchmark, lambda bs: [decode(b) for b in bs], batches, **info)
+            finally:
+                torch.set_num_threads(previous)
+        else:
+            with fastattn_workers.Workers(workers, threads) as pool:
+                outputs = timed(benchmark, lambda bs: list(pool.map(decode, bs)), batches, **info)
+        outputs = fastattn_pieces(model, outputs)
+    else:
+        translator = ctranslate2_translator(name, precision, workers, threads)
+        outputs = timed(benchmark, ctranslate2_decoder(model, translator), batches, **info)
+        if precision == "fp32" and workers == 1:  # greedy search agrees too
+            greedy = fastattn_pieces(model, [fastattn_decoder(model, "fp32", 1)(b)
+                                             for b in batches])
+            theirs = ctranslate2_decoder(model, translator, 1)(batches)
+            benchmark.extra_info["same_greedy_outputs"] = share_same(greedy, theirs)
+        del translator  # its threads and weights go before the next row's
+
+    benchmark.extra_info["output_tokens"] = sum(map(len, outputs)) / len(outputs)
+    key = (name, precision, batch_size)
+    if key in REFERENCE_OUTPUTS:
+        benchmark.extra_info["same_beam_outputs"] = share_same(REFERENCE_OUTPUTS[key], outputs)
+    elif system == "fastattn":
+        REFERENCE_OUTPUTS[key] = outputs
+
+
+@pytest.mark.parametrize("batch_size", BATCHES, ids=lambda n: f"batch{n}")
+def test_ensemble_decoding_throughput(benchmark, batch_size):
+    """The multi30k ensemble of two (what `./run train` makes and fastattn ships), fp32, one
+    worker with every core's threads: what an ensemble costs beside its one member above."""
+    model = load("multi30k")
+    sources = model.sources(batch_size * CORES * BATCHES_PER_WORKER[batch_size])
+    batches = [sources[i : i + batch_size] for i in range(0, len(sources), batch_size)]
+    decode = fastattn_decoder(model, "fp32", ensemble=True)
+    timed(benchmark, lambda bs: [decode(b) for b in bs], batches,
+          group=f"decoding_ensemble multi30k fp32 batch{batch_size}", model=model,
+          impl=f"fastattn-ensemble-of-2 1×{CORES}", batch_size=batch_size)
 
 
 @pytest.mark.parametrize("impl", ["native", "python"])
