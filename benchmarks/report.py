@@ -100,6 +100,8 @@ COLUMNS = {
     "peak_memory_bytes": ("peak memory", mebibytes),
     "same_greedy_outputs": ("same greedy outputs as fastattn", lambda v: f"{100 * v:.0f}%"),
     "same_beam_outputs": ("same beam outputs as fastattn", lambda v: f"{100 * v:.0f}%"),
+    "output_tokens": ("tokens/sentence", lambda v: f"{v:.1f}"),
+    "cores_busy": ("cores busy", lambda v: f"{v:.2f}"),
     "model": ("model", str),
 }
 
@@ -153,6 +155,71 @@ def measured_tables(benchmarks: list[dict]) -> list[str]:
             rows.append(row)
         out.append(f"### {name}\n\n{table(header, rows)}")
     return out
+
+
+def decoding_summary(benchmarks: list[dict]) -> str | None:
+    """bench_decoding's cells, (model, precision, batch): each configuration's sentences/s,
+    fastattn's best against CTranslate2's best, and whether the machine was quiet."""
+    rows = [b for b in benchmarks if family(b) == "decoding" and "system" in b["extra_info"]]
+    if not rows:
+        return None
+    configs = list(dict.fromkeys(  # fastattn's first, then CTranslate2's, each in run order
+        (i["system"], i["workers"], i["threads"])
+        for i in sorted((b["extra_info"] for b in rows), key=lambda i: i["system"] != "fastattn")
+    ))
+    cells: dict[tuple, dict[tuple, dict]] = defaultdict(dict)
+    for b in rows:
+        i = b["extra_info"]
+        cells[(i["model_name"], i["precision"], i["batch_size"])][
+            (i["system"], i["workers"], i["threads"])] = i
+    names = {"fastattn": "fastattn", "ctranslate2": "CT2"}
+    header = ["model", "precision", "batch"] + [f"{names[s]} {w}×{t}" for s, w, t in configs]
+    header += ["fastattn best / CT2 best", "same outputs (CT2 best, fastattn)",
+               "tokens/sentence (fastattn, CT2)"]
+    table_rows = []
+    for (model, precision, batch), found in cells.items():
+        best = {}
+        for system in names:
+            ran = [i for (s, *_), i in found.items() if s == system and "sentences_per_s" in i]
+            best[system] = max(ran, key=lambda i: i["sentences_per_s"], default=None)
+        row = [model, precision, str(batch)]
+        for config in configs:
+            i = found.get(config)
+            row.append(f"{i['sentences_per_s']:.3g}" + (" (default)" if i.get("default") else "")
+                       if i and "sentences_per_s" in i else "–")
+        ours, theirs = best["fastattn"], best["ctranslate2"]
+        row.append(f"{ours['sentences_per_s'] / theirs['sentences_per_s']:.2f}×"
+                   if ours and theirs else "–")
+        row.append(f"{100 * theirs['same_beam_outputs']:.0f}%"
+                   if theirs and "same_beam_outputs" in theirs else "–")
+        row.append(", ".join(f"{i['output_tokens']:.1f}" if i and "output_tokens" in i else "–"
+                             for i in (ours, theirs)))
+        table_rows.append(row)
+
+    loads = [load for b in rows for load in (b["extra_info"].get("load_1min_before"),
+                                             b["extra_info"].get("load_1min_after"))
+             if load is not None]
+    own = max(i["workers"] * i["threads"] for i in (b["extra_info"] for b in rows))
+    text = (
+        "Sentences per second of each configuration (workers × threads per worker) decoding the "
+        "same batches, beam 4 (see benchmarks/bench_decoding.py); the ratio sets fastattn's "
+        "best configuration against CTranslate2's best in the same precision, model and batch "
+        "(> 1: fastattn faster). (default): the configuration fastattn.workers.choose picks."
+    )
+    if loads:
+        text += (
+            f"\n\nThe 1-minute load average was {loads[0]:.2f} before the decoding benchmark and "
+            f"{loads[-1]:.2f} after it, at most {max(loads):.2f} around a row; its own threads: "
+            f"{own}."
+        )
+        if max(loads) > own + 0.5:
+            text += (
+                f"\n\n> **Not a quiet run**: the load average reached {max(loads):.2f}, more than "
+                f"0.5 above the benchmark's own {own} threads, so another process shared the "
+                "cores; CTranslate2's OpenMP threads (and fastattn's) slow down badly when the "
+                "cores are shared. Rerun on a quiet machine before quoting these ratios."
+            )
+    return text + "\n\n" + table(header, table_rows)
 
 
 def memory_growth(benchmarks: list[dict]) -> str | None:
@@ -392,6 +459,9 @@ def render(results: dict, compile_rows: list[dict] | None, compile_problem: str)
         step_targets(benchmarks, env),
         "",
     ]
+    decoding = decoding_summary(benchmarks)
+    if decoding:
+        lines += ["### Decoding against CTranslate2", "", decoding, ""]
     growth = memory_growth(benchmarks)
     if growth:
         lines += ["### Attention memory as the sequence grows", "", growth, ""]
