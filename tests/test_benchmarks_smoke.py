@@ -1,14 +1,17 @@
 """The benchmark suite collects, and the report script turns results into BENCHMARKS.md: ratios,
-rates, memory growth, paper targets, the projection and the compile report, on made-up results
-(no timing is asserted anywhere)."""
+rates, memory growth, paper targets, the projection and the compile report, on made-up results;
+the decoding benchmark's cells run in quick mode and render (no timing is asserted anywhere)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from fastattn import decoding
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,6 +48,10 @@ def test_benchmark_suite_collects_every_file():
         "bench_cross_entropy.py::test_label_smoothed_cross_entropy[",
         "bench_cross_entropy.py::test_linear_cross_entropy[",
         "bench_train.py::test_training_step[",
+        "bench_decoding.py::test_decoding_throughput[d512-6+6-int8-batch1-fastattn-2x1]",
+        "bench_decoding.py::test_decoding_throughput[multi30k-fp32-batch1-ctranslate2-1x2]",
+        "bench_decoding.py::test_ensemble_decoding_throughput[",
+        "bench_decoding.py::test_bookkeeping_per_step_batch1[",
     ):
         assert name in collected, f"{name} not collected:\n{collected}"
     lines = [line for line in collected.splitlines() if "::" in line]
@@ -209,3 +216,111 @@ print(peak_memory(allocate), peak_memory(lambda: torch.autograd.grad((x * 3).sum
     allocated, backward = map(int, out.stdout.split()[-2:])
     assert 4 * 2**20 <= allocated <= 4 * 2**20 + 4096
     assert 2**20 <= backward <= 2 * 2**20 + 4096  # x * 3 and the gradient, never x itself
+
+
+def decoding_row(model, precision, batch, system, workers, threads, per_s, **extra_info):
+    return bench(
+        f"decoding {model} {precision} batch{batch}",
+        f"{system} {workers}×{threads}",
+        1 / per_s,
+        system=system,
+        model_name=model,
+        precision=precision,
+        batch_size=batch,
+        workers=workers,
+        threads=threads,
+        sentences_per_s=per_s,
+        output_tokens=40.0,
+        **extra_info,
+    )
+
+
+def render_decoding(tmp_path, benchmarks):
+    results = {
+        "machine_info": {"fastattn_environment": {"device": "Test CPU (2 cores)"}},
+        "benchmarks": benchmarks,
+    }
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    out = run(
+        "-m",
+        "benchmarks.report",
+        "--json",
+        str(tmp_path / "results.json"),
+        "--no-compile-report",
+        "--output",
+        str(tmp_path / "BENCHMARKS.md"),
+    )
+    assert out.returncode == 0, out.stderr
+    return (tmp_path / "BENCHMARKS.md").read_text()
+
+
+def test_report_sets_fastattns_best_configuration_against_ctranslate2s_best(tmp_path):
+    loads = {"load_1min_before": 2.1, "load_1min_after": 2.3}
+    text = render_decoding(tmp_path, [
+        decoding_row("d512-6+6", "int8", 16, "fastattn", 1, 2, 8.0, **loads),
+        decoding_row("d512-6+6", "int8", 16, "fastattn", 2, 1, 12.0, default=True, **loads),
+        decoding_row("d512-6+6", "int8", 16, "ctranslate2", 1, 2, 6.0, **loads),
+        decoding_row("d512-6+6", "int8", 16, "ctranslate2", 2, 1, 10.0, same_beam_outputs=0.9,
+                     load_1min_before=2.3, load_1min_after=2.4),
+        decoding_row("multi30k", "fp32", 1, "ctranslate2", 1, 2, 3.0, **loads),
+    ])
+    header = next(line for line in text.splitlines() if line.startswith("| model | precision"))
+    assert "| fastattn 1×2 | fastattn 2×1 | CT2 1×2 | CT2 2×1 |" in header
+    cell = next(line for line in text.splitlines() if line.startswith("| d512-6+6 | int8 | 16 |"))
+    assert "| 8 | 12 (default) | 6 | 10 | 1.20× | 90% | 40.0, 40.0 |" in cell
+    alone = next(line for line in text.splitlines() if line.startswith("| multi30k | fp32 | 1 |"))
+    assert "| – | – | 3 | – | – | – | –, 40.0 |" in alone  # no fastattn row: no ratio
+    assert "2.10 before the decoding benchmark and 2.30 after it, at most 2.40" in text
+    assert "Not a quiet run" not in text
+
+
+def test_report_says_when_the_decoding_run_was_not_quiet(tmp_path):
+    text = render_decoding(tmp_path, [
+        decoding_row("multi30k", "fp32", 1, "fastattn", 1, 2, 3.0,
+                     load_1min_before=0.2, load_1min_after=3.1),
+    ])
+    assert "Not a quiet run" in text and "reached 3.10" in text
+
+
+def test_decoding_cells_run_in_quick_mode_and_render(tmp_path):
+    """The multi30k cells at batch 1, every precision and configuration, for real (quick mode):
+    a system's cells run where it has the precision and the configuration, and skip elsewhere."""
+    out = run(
+        "-m",
+        "pytest",
+        "benchmarks/bench_decoding.py",
+        "--benchmark-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        "test_decoding_throughput and multi30k and batch1",
+        f"--benchmark-json={tmp_path / 'results.json'}",
+        env={"FASTATTN_BENCH_QUICK": "1"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads((tmp_path / "results.json").read_text())["benchmarks"]
+    ran = {(b["extra_info"]["precision"], b["extra_info"]["impl"]) for b in rows}
+    precisions = getattr(decoding, "PRECISIONS", ("fp32",))
+    workers = importlib.util.find_spec("fastattn.workers") is not None
+    ctranslate2 = importlib.util.find_spec("ctranslate2") is not None
+    for precision in ("fp32", "int8", "bf16"):
+        assert ((precision, "fastattn 1×2") in ran) == (precision in precisions)
+        assert ((precision, "fastattn 2×1") in ran) == (precision in precisions and workers)
+    assert (("fp32", "ctranslate2 2×1") in ran) == ctranslate2
+    assert (("int8", "ctranslate2 1×2") in ran) == ctranslate2
+    for b in rows:
+        info = b["extra_info"]
+        if "random" in info["model"]:  # its outputs run to MAX_LEN (quick mode's)
+            assert info["output_tokens"] == 8.0, info
+        assert info["sentences_per_s"] > 0 and info["cores_busy"] > 0
+        assert {"load_1min_before", "load_1min_after"} <= set(info)
+        if info["precision"] == "fp32" and info["impl"] != "fastattn 1×2":
+            assert info["same_beam_outputs"] == 1.0, info  # the same weights and search
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    text = render_decoding(tmp_path, results["benchmarks"])
+    fp32 = next(line for line in text.splitlines() if line.startswith("| multi30k | fp32 | 1 |"))
+    ratio = fp32.split("|")[-4].strip()  # fastattn best / CT2 best
+    assert ratio.endswith("×") if ctranslate2 else ratio == "–", fp32
+    assert "The 1-minute load average was" in text
