@@ -1,0 +1,104 @@
+"""The measurements behind fastattn.workers.choose: sentences per second of beam search (beam 4,
+fixed work per sentence) with 1 worker x all cores against one-thread workers, one per core.
+
+    .venv/bin/python scripts/measure_workers.py [--sentences 128] [--repeats 2]
+        [--precision fp32] [--models multi30k,large] [--batches 64,16,1]
+
+Models, random (the throughput of a trained one is the same at the same output lengths): the
+`multi30k` preset and a larger one (d_model 512, 6+6 layers, 8 heads, d_ff 2048), 8,000 pieces
+each, with a SentencePiece model of Multi30k's training text, as benchmarks/bench_decoding.py
+builds them. Sources: the first --sentences of test2016 (English), consecutive batches of
+--batches sentences; every sentence decodes to MAX_LEN tokens (an untrained model rarely ends
+one earlier), so each configuration does the same work. Each cell is the best of --repeats
+runs. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import time
+
+import torch
+
+from fastattn import data
+from fastattn.model import Transformer
+from fastattn.workers import Workers
+
+BEAM, ALPHA, MAX_LEN = 4, 0.6, 40
+MODELS = {
+    "multi30k": dict(name="multi30k"),
+    "large": dict(name="base", d_model=512, encoder_layers=6, decoder_layers=6, heads=8,
+                  d_ff=2048),
+}
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor()
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    return fields.get("Model name", "").strip()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sentences", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--models", default="multi30k,large")
+    parser.add_argument("--batches", default="64,16,1")
+    args = parser.parse_args()
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores)
+    text = data.load_multi30k("train", "en", "de")
+    sp = data.load_sentencepiece(data.train_sentencepiece(list(text.src) + list(text.tgt), 8000))
+    sentences = data.load_multi30k("test2016", "en", "de").src[: args.sentences]
+    sources = [sp.encode(s) + [sp.eos_id()] for s in sentences]
+    configurations = [(1, cores), (cores, 1)]
+    print(f"CPU: {cpu_model()}, {cores} cores; torch {torch.__version__}; precision "
+          f"{args.precision}; {len(sources)} test2016 sentences, beam {BEAM}, {MAX_LEN} tokens "
+          f"each; best of {args.repeats}; load average before: {os.getloadavg()[0]:.2f}\n")
+    print("| model | batch | " + " | ".join(f"{w} worker(s) x {t} thread(s)"
+                                             for w, t in configurations) + " |")
+    print("|---|---|" + "---|" * len(configurations))
+    for model_name in args.models.split(","):
+        options = dict(MODELS[model_name])
+        torch.manual_seed(0)
+        model = Transformer.from_preset(options.pop("name"), vocab_size=8000, dropout=0.0,
+                                        **options).eval()
+        extra = {} if args.precision == "fp32" else {"precision": args.precision}
+
+        def decode(batch: list[list[int]], model=model, extra=extra) -> None:
+            source = torch.full((len(batch), max(map(len, batch))), sp.pad_id(),
+                                dtype=torch.long)
+            for i, ids in enumerate(batch):
+                source[i, : len(ids)] = torch.tensor(ids)
+            model.beam_search(source, beam_size=BEAM, bos_id=sp.bos_id(), eos_id=sp.eos_id(),
+                              max_len=MAX_LEN + 1, alpha=ALPHA, length_penalty="pow", **extra)
+
+        for batch_size in map(int, args.batches.split(",")):
+            # Batch 1 costs the most per sentence: fewer of them keep its cells short.
+            count = len(sources) if batch_size > 1 else max(len(sources) // 8, 2 * cores)
+            batches = [sources[i: i + batch_size] for i in range(0, count, batch_size)]
+            rates = []
+            for workers, threads in configurations:
+                with Workers(workers, threads) as pool:
+                    list(pool.map(decode, batches[:workers]))  # warm: weights packed, buffers
+                    best = float("inf")
+                    for _ in range(args.repeats):
+                        start = time.perf_counter()
+                        for _ in pool.map(decode, batches):
+                            pass
+                        best = min(best, time.perf_counter() - start)
+                rates.append(count / best)
+            print(f"| {model_name} | {batch_size} | "
+                  + " | ".join(f"{r:.2f}" for r in rates) + " |", flush=True)
+    print(f"\nsentences per second; load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
