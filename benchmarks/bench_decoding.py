@@ -18,10 +18,10 @@ final checkpoint (checkpoints/multi30k-en-de/checkpoint_final.pt, from `./run tr
 else random; and `d512-6+6`, always random: d_model 512, 6+6 layers, 8 heads, d_ff 2048, 8000
 pieces. A random model's outputs run to MAX_LEN tokens (EOS is as unlikely as any other of 8000
 pieces), so every sentence is the same work in both systems: the mean output length is recorded
-per row, and the share of outputs identical to fastattn's (the same in fp32: same weights, same
-search). An ensemble checkpoint gives its first member as the model and its first two as the
-ensemble timed alone (fastattn only, fp32: the shipped model is an ensemble); otherwise the
-ensemble is the model twice.
+per row, and the share of outputs identical to fastattn's (all of them in fp32: same weights,
+same search; greedy outputs are compared too, in fp32). An ensemble checkpoint gives its first
+member as the model and its first two as the ensemble timed alone (fastattn only, fp32: the
+shipped model is an ensemble); otherwise the ensemble is the model twice.
 
 Precisions: fp32 against CTranslate2's float32, int8 against its int8 (fastattn's
 `precision="int8"`), bf16 against its bfloat16; fastattn's cells run for the precisions
@@ -30,10 +30,12 @@ fastattn.decoding.PRECISIONS lists, CTranslate2's for those it supports on this 
 goes into the results: CTranslate2's OpenMP threads collapse when another process shares the
 cores, and the report says when a run was not quiet.
 
-Duration: a full run (FASTATTN_BENCH_QUICK unset) takes about 17 minutes on 2 cores (Zen 4 /
-Sapphire Rapids class): d512-6+6 is almost all of it, 128 sentences at batch 64, 32 at 16 and 8
-at 1, four timed or untimed calls of each configuration; fastattn bf16 cells, if they land, add
-about 4 minutes. The quick mode runs every cell on short outputs and small batches (2-3 min).
+Duration: a full run (FASTATTN_BENCH_QUICK unset) takes about 16 minutes on 2 quiet cores, as
+estimated from issue 51's sentences/s (2-core Zen 4) and this file's protocol: d512-6+6 is 14 of
+them (128 sentences at batch 64, 32 at 16 and 8 at 1, each configuration called four times: a
+warm-up, measure()'s profiled call and two timed rounds), multi30k, the ensemble and the loading
+the rest; fastattn bf16 cells, where they run, add about 4 minutes. The quick mode runs every
+cell on 8-token outputs and batches of 4, 2 and 1: about 2 minutes.
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ REFERENCE_OUTPUTS: dict[tuple[str, str, int], list[list[str]]] = {}
 
 def timed(benchmark, decode_all, batches, *, group: str, model: Model, **info) -> list:
     """measure() of decode_all(batches), recording sentences/s, cores busy, the mean output
-    length and the load average around it; returns the last call's outputs (pieces)."""
+    length and the load average around it; returns the last call's outputs."""
     last, clock = {}, {"cpu": 0.0, "wall": 0.0}
 
     def call():
@@ -235,7 +237,7 @@ def test_decoding_throughput(benchmark, name, precision, batch_size, system, wor
                 precision=precision, batch_size=batch_size, workers=workers, threads=threads)
 
     if system == "fastattn":
-        if fastattn_workers is not None:  # the configuration Translator takes by default
+        if fastattn_workers is not None:  # whether this is the configuration chosen by default
             info["default"] = fastattn_workers.choose(batch_size, CORES) == (workers, threads)
         decode = fastattn_decoder(model, precision)
         if workers == 1:
