@@ -56,11 +56,7 @@ from fastattn import data, decoding
 from fastattn.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.search import beam_search_step_python
-
-try:  # issue 51's workers (item 2): the cells of several fastattn workers skip until it lands
-    from fastattn import workers as fastattn_workers
-except ImportError:
-    fastattn_workers = None
+from fastattn.workers import Workers, choose
 
 BEAM, ALPHA = 4, 0.6
 MAX_LEN = 8 if QUICK else 40
@@ -227,8 +223,6 @@ def test_decoding_throughput(benchmark, name, precision, batch_size, system, wor
     """One row of a cell: `system` in one configuration (`workers` x `threads`)."""
     if system == "fastattn" and precision not in FASTATTN_PRECISIONS:
         pytest.skip(f"fastattn.decoding.PRECISIONS has no {precision}")
-    if system == "fastattn" and workers > 1 and fastattn_workers is None:
-        pytest.skip("no fastattn.workers")
     model = load(name)
     sources = model.sources(batch_size * CORES * BATCHES_PER_WORKER[batch_size])
     batches = [sources[i : i + batch_size] for i in range(0, len(sources), batch_size)]
@@ -237,8 +231,7 @@ def test_decoding_throughput(benchmark, name, precision, batch_size, system, wor
                 precision=precision, batch_size=batch_size, workers=workers, threads=threads)
 
     if system == "fastattn":
-        if fastattn_workers is not None:  # whether this is the configuration chosen by default
-            info["default"] = fastattn_workers.choose(batch_size, CORES) == (workers, threads)
+        info["default"] = choose(batch_size, CORES) == (workers, threads)
         decode = fastattn_decoder(model, precision)
         if workers == 1:
             previous = torch.get_num_threads()
@@ -248,7 +241,7 @@ def test_decoding_throughput(benchmark, name, precision, batch_size, system, wor
             finally:
                 torch.set_num_threads(previous)
         else:
-            with fastattn_workers.Workers(workers, threads) as pool:
+            with Workers(workers, threads) as pool:
                 outputs = timed(benchmark, lambda bs: list(pool.map(decode, bs)), batches, **info)
         outputs = fastattn_pieces(model, outputs)
     else:
