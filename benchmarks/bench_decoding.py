@@ -30,12 +30,15 @@ fastattn.decoding.PRECISIONS lists, CTranslate2's for those it supports on this 
 goes into the results: CTranslate2's OpenMP threads collapse when another process shares the
 cores, and the report says when a run was not quiet.
 
-Duration: a full run (FASTATTN_BENCH_QUICK unset) takes about 16 minutes on 2 quiet cores, as
-estimated from issue 51's sentences/s (2-core Zen 4) and this file's protocol: d512-6+6 is 14 of
-them (128 sentences at batch 64, 32 at 16 and 8 at 1, each configuration called four times: a
-warm-up, measure()'s profiled call and two timed rounds), multi30k, the ensemble and the loading
-the rest; fastattn bf16 cells, where they run, add about 4 minutes. The quick mode runs every
-cell on 8-token outputs and batches of 4, 2 and 1: about 2 minutes.
+Duration: a full run (FASTATTN_BENCH_QUICK unset) takes about 10 minutes on 2 quiet cores, and
+should stay under 16. d512-6+6 is most of it: 128 sentences at batch 64, 32 at 16 and 8 at 1,
+each configuration called four times (a warm-up, measure()'s profiled call, two timed rounds).
+The estimate: CPU seconds per sentence measured at one thread on this file's d512-6+6 cells
+(Sapphire Rapids class, 40-token outputs: 0.15 fp32 and 0.07 int8 at batch 16, 0.54-0.67 and
+0.11-0.13 at batch 1) give 7 minutes for it, multi30k, the ensemble and the loading about 3; the
+bound is the same count at issue 51's slower sentences/s. fastattn bf16 cells, where they run,
+add 2-4 minutes. The quick mode runs every cell on 8-token outputs and batches of 4, 2 and 1:
+about 2.5 minutes.
 """
 
 from __future__ import annotations
