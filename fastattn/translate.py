@@ -2,13 +2,16 @@
 
     python -m fastattn.translate --checkpoint CKPT [--beam 4] [--alpha A] [--max-len-a 1]
         [--max-len-b 50] [--max-source-len 1024] [--nbest N] [--batch-tokens N]
-        [--input FILE] [--output FILE] < input > output
+        [--precision fp32] [--workers N] [--threads N] [--input FILE] [--output FILE]
+        < input > output
 
 Reads raw sentences, one per line, encodes them with the checkpoint's SentencePiece model, sorts
 a bounded window of them by length into batches of about --batch-tokens source tokens, decodes
 each batch with the cached decoder and beam search (Transformer.beam_search: one native call per
 batch on CPU), and writes the detokenized translations in input order as soon as they and every
-line before them are done: memory does not grow with the input.
+line before them are done: memory does not grow with the input. On CPU, --workers batches decode
+at once, each on its own thread with --threads intra-op threads (default: fastattn.workers.choose
+for the window's batch size and the cores); --precision int8 decodes with quantized weights.
 Defaults are the paper's: beam 4, the GNMT length penalty with the α that fastattn.train chose
 on dev (stored in the checkpoint; else the paper's 0.6), at most source length + 50 tokens (the
 source length counts the EOS that ends it).
@@ -41,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from fastattn import decoding
 from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import CheckpointError, load_model
 from fastattn.cli import ArgumentParser, HelpFormatter
@@ -48,11 +52,15 @@ from fastattn.data import Truecaser
 from fastattn.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.search import LengthPenalty, greedy_search
+from fastattn.workers import SMALL_BATCH, Workers, choose
 
 try:
     from tqdm import tqdm
 except ImportError as e:
     raise MissingExtraError(__name__, e) from None
+
+PRECISIONS: tuple[str, ...] = getattr(decoding, "PRECISIONS", ("fp32", "int8"))
+"""The decoding precisions Translator and --precision take (fastattn.decoding's)."""
 
 MAX_SOURCE_LEN = 1024
 """The most source pieces translated of a line, its EOS included (Translator.max_source_len,
@@ -100,6 +108,17 @@ class Translator:
     `on_truncated(line, pieces)` is called with its line number (from 1) and its length (default:
     a SourceTruncatedWarning). A line that encodes to no pieces (empty, or only white space)
     translates to the empty translation, scored 0, without decoding.
+
+    precision: the native decoder's ("fp32", or "int8": weights quantized once per model, see
+    Transformer.beam_search). On CPU, `workers` batches decode at once, each on its own thread
+    with `threads` intra-op threads (fastattn.workers.Workers); translations keep their order.
+    None: given one, the other is the cores (torch.get_num_threads() when the translator is
+    made) over it; given neither, each window's batches get fastattn.workers.choose(b, cores)
+    for b the number of sentences its batches hold on average (token-budgeted batches of short
+    lines hold many, a line decoded alone one), with no more workers than batches. Batches of
+    sources longer than LONG_SOURCE tokens, a window's last, decode after its others, chosen
+    for by themselves: they never take a worker from the lines before them. (1 worker with
+    the caller's thread count decodes in the caller's thread; on a GPU the default is that.)
     """
 
     def __init__(
@@ -118,6 +137,9 @@ class Translator:
         truecaser: Truecaser | None = None,
         max_source_len: int = MAX_SOURCE_LEN,
         on_truncated: Callable[[int, int], None] | None = None,
+        precision: str = "fp32",
+        workers: int | None = None,
+        threads: int | None = None,
     ) -> None:
         if not 1 <= nbest <= beam_size:
             raise ValueError(f"nbest must be between 1 and the beam size {beam_size}, got {nbest}")
@@ -126,6 +148,12 @@ class Translator:
         if max_source_len < 2:
             raise ValueError(f"max_source_len must be >= 2 (a piece and the EOS), got "
                              f"{max_source_len}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
+                             f"{precision!r}")
+        for name, count in (("workers", workers), ("threads", threads)):
+            if count is not None and not (isinstance(count, int) and count >= 1):
+                raise ValueError(f"{name} must be an integer >= 1 or None, got {count!r}")
         self.model, self.sp = model.eval(), sp
         self.beam_size, self.alpha, self.length_penalty = beam_size, alpha, length_penalty
         self.max_len_a, self.max_len_b, self.nbest = max_len_a, max_len_b, nbest
@@ -140,6 +168,9 @@ class Translator:
         self.position_limit = min(learned) if learned else None
         self.max_source_len = min(max_source_len, self.position_limit or max_source_len)
         self.on_truncated = on_truncated or self._warn_truncated
+        self.precision, self.workers, self.threads = precision, workers, threads
+        self.cores = torch.get_num_threads()
+        self._pools: dict[tuple[int, int], Workers] = {}
 
     @classmethod
     def from_checkpoint(
@@ -219,13 +250,19 @@ class Translator:
                 results[i] = [Translation("", 0.0, [])]
             else:
                 decode.append(i)
+        batches = list(self._batches(decode, sources))
+        # Shortest first: the batches of long sources are the last. They decode after the
+        # others (so that they take no worker from them) and get workers of their own choosing.
+        long = next((k for k, batch in enumerate(batches)
+                     if len(sources[batch[-1]]) > LONG_SOURCE), len(batches))
         done = 0
-        for batch in self._batches(decode, sources):
-            for i, hypotheses in zip(batch, self._search([sources[i] for i in batch]), strict=True):
-                results[i] = hypotheses
-            while done < len(results) and results[done] is not None:
-                yield results[done]
-                results[done], done = None, done + 1
+        for group in (batches[:long], batches[long:]):
+            for batch, found in zip(group, self._decode(group, sources), strict=True):
+                for i, hypotheses in zip(batch, found, strict=True):
+                    results[i] = hypotheses
+                while done < len(results) and results[done] is not None:
+                    yield results[done]
+                    results[done], done = None, done + 1
         while done < len(results):
             yield results[done]
             results[done], done = None, done + 1
@@ -246,7 +283,32 @@ class Translator:
         if batch:
             yield batch
 
-    @torch.inference_mode()
+    def _configuration(self, batches: list[list[int]]) -> tuple[int, int]:
+        """(workers, threads per worker) for decoding these batches (the class docstring)."""
+        if self.workers is not None or self.threads is not None:
+            workers = self.workers or max(1, self.cores // self.threads)
+            return workers, self.threads or max(1, self.cores // workers)
+        if self.device.type != "cpu":
+            return 1, self.cores
+        average = sum(map(len, batches)) / len(batches)
+        workers, _ = choose(max(1, round(average)), self.cores)
+        workers = min(workers, len(batches))
+        return workers, max(1, self.cores // workers)
+
+    def _decode(self, batches: list[list[int]],
+                sources: list[list[int]]) -> Iterator[list[list[Translation]]]:
+        """The translations of each batch of sources, in order, each as soon as it is done."""
+        if not batches:
+            return iter(())
+        searches = ([sources[i] for i in batch] for batch in batches)
+        workers, threads = self._configuration(batches)
+        if workers == 1 and threads == torch.get_num_threads():  # nothing to change: no thread
+            return map(self._search, searches)
+        if (workers, threads) not in self._pools:
+            self._pools[workers, threads] = Workers(workers, threads)
+        return self._pools[workers, threads].map(self._search, searches)
+
+    @torch.inference_mode()  # on the worker's thread too: inference mode is per thread
     def _search(self, sources: list[list[int]]) -> list[list[Translation]]:
         source = torch.full((len(sources), max(map(len, sources))), self.pad_id, dtype=torch.long)
         for row, ids in enumerate(sources):
@@ -260,12 +322,14 @@ class Translator:
             bos_id=self.bos_id, eos_id=self.eos_id, max_len=max_len, alpha=self.alpha,
             length_penalty=self.length_penalty,
         )  # fmt: skip
+        # fp32 goes without the keyword, which decoders before the int8 one do not take.
+        precision = {} if self.precision == "fp32" else {"precision": self.precision}
         if self.beam_size > 1:
             found = self.model.beam_search(
-                source, beam_size=self.beam_size, nbest=self.nbest, **options
+                source, beam_size=self.beam_size, nbest=self.nbest, **options, **precision
             )
         else:
-            state = self.model.start_decoding(source, capacity=int(max_len.max()))
+            state = self.model.start_decoding(source, capacity=int(max_len.max()), **precision)
 
             def step_fn(tokens: torch.Tensor, reorder: torch.Tensor | None) -> torch.Tensor:
                 if reorder is not None:
@@ -397,6 +461,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="source tokens per batch, padding included")
     parser.add_argument("--window", type=int, default=1000,
                         help="lines read ahead and sorted by length into batches")
+    parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                        help="the decoder's arithmetic: int8 quantizes the weights once (per "
+                        "output channel) and the activations per row")
+    parser.add_argument("--workers", type=int,
+                        help="batches decoded at once, each on its own thread (default: on CPU "
+                        "one per core for batches averaging under "
+                        f"{SMALL_BATCH} sentences, else 1; docs/api.md, "
+                        "\"Workers and threads\")")
+    parser.add_argument("--threads", type=int,
+                        help="intra-op threads per worker (default: the cores over --workers)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--input", default="-", help="input file (- for stdin)")
     parser.add_argument("--output", default="-", help="output file (- for stdout)")
@@ -413,6 +487,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"need --beam >= 1 and 1 <= --nbest <= --beam, got {args.beam}, {args.nbest}")
     if args.batch_tokens < 1 or args.window < 1 or args.max_len_b < 0 or args.max_len_a < 0:
         parser.error("--batch-tokens and --window must be positive, --max-len-a/b not negative")
+    for flag, count in (("--workers", args.workers), ("--threads", args.threads)):
+        if count is not None and count < 1:
+            parser.error(f"{flag} must be >= 1, got {count}")
     if args.max_source_len < 2:
         parser.error(f"--max-source-len must be >= 2 (a piece and the EOS), got "
                      f"{args.max_source_len}")
@@ -455,7 +532,8 @@ def _main(args: argparse.Namespace) -> None:
             args.checkpoint, args.device, beam_size=args.beam, alpha=args.alpha,
             length_penalty=args.length_penalty, max_len_a=args.max_len_a,
             max_len_b=args.max_len_b, nbest=args.nbest, batch_tokens=args.batch_tokens,
-            window=args.window, max_source_len=args.max_source_len,
+            window=args.window, max_source_len=args.max_source_len, precision=args.precision,
+            workers=args.workers, threads=args.threads,
         )  # fmt: skip
     except CheckpointError as e:
         raise SystemExit(f"error: {e}") from None
