@@ -194,9 +194,12 @@ def share_same(ours: list[list[str]], theirs: list[list[str]]) -> float:
 REFERENCE_OUTPUTS: dict[tuple[str, str, int], list[list[str]]] = {}
 
 
-def timed(benchmark, decode_all, batches, *, group: str, model: Model, **info) -> list:
+def timed(benchmark, decode_all, batches, *, group: str, model: Model,
+          torch_in_this_thread: bool = True, **info) -> list:
     """measure() of decode_all(batches), recording sentences/s, cores busy, the mean output
-    length and the load average around it; returns the last call's outputs."""
+    length and the load average around it; returns the last call's outputs. The peak memory
+    only where decode_all allocates with torch in this thread (torch_in_this_thread): the
+    profiler sees no other thread's allocations (the workers'), and none of CTranslate2's."""
     last, clock = {}, {"cpu": 0.0, "wall": 0.0}
 
     def call():
@@ -209,6 +212,8 @@ def timed(benchmark, decode_all, batches, *, group: str, model: Model, **info) -
     load_before = os.getloadavg()[0]
     measure(benchmark, call, group=group, min_rounds=2, sentences=sentences, beam=BEAM,
             length_penalty="pow", alpha=ALPHA, max_len=MAX_LEN, model=model.kind, **info)
+    if not torch_in_this_thread:  # no figure rather than a false one
+        del benchmark.extra_info["peak_memory_bytes"]
     benchmark.extra_info["load_1min_before"] = load_before
     benchmark.extra_info["load_1min_after"] = os.getloadavg()[0]
     benchmark.extra_info["cores_busy"] = clock["cpu"] / clock["wall"]
@@ -245,11 +250,13 @@ def test_decoding_throughput(benchmark, name, precision, batch_size, system, wor
                 torch.set_num_threads(previous)
         else:
             with Workers(workers, threads) as pool:
-                outputs = timed(benchmark, lambda bs: list(pool.map(decode, bs)), batches, **info)
+                outputs = timed(benchmark, lambda bs: list(pool.map(decode, bs)), batches,
+                                torch_in_this_thread=False, **info)
         outputs = fastattn_pieces(model, outputs)
     else:
         translator = ctranslate2_translator(name, precision, workers, threads)
-        outputs = timed(benchmark, ctranslate2_decoder(model, translator), batches, **info)
+        outputs = timed(benchmark, ctranslate2_decoder(model, translator), batches,
+                        torch_in_this_thread=False, **info)
         if precision == "fp32" and workers == 1:  # greedy search agrees too
             greedy = fastattn_pieces(model, [fastattn_decoder(model, "fp32", 1)(b)
                                              for b in batches])

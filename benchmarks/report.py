@@ -96,6 +96,7 @@ COLUMNS = {
     "flop_per_s": ("FLOP/s", lambda v: rate(v, "FLOP")),
     "bytes_per_s": ("bandwidth", lambda v: rate(v, "B")),
     "tokens_per_s": ("tokens/s", lambda v: f"{v:,.0f}"),
+    "sentences_per_s": ("sentences/s", lambda v: f"{v:.3g}"),
     "mfu": ("MFU", lambda v: f"{100 * v:.1f}%"),
     "peak_memory_bytes": ("peak memory", mebibytes),
     "same_greedy_outputs": ("same greedy outputs as fastattn", lambda v: f"{100 * v:.0f}%"),
