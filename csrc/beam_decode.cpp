@@ -2,6 +2,7 @@
 
 #include "beam_search.h"
 #include "decode_attention.h"
+#include "int8_linear.h"
 #include "packed_linear.h"
 
 #include <ATen/ATen.h>
@@ -44,7 +45,7 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
                                  const at::Tensor &positions,
                                  double embedding_scale, at::TensorList params,
                                  at::TensorList packed,
-                                 const std::optional<at::Tensor> &output_packed, double eps,
+                                 at::TensorList output_packed, double eps,
                                  at::TensorList memory_k, at::TensorList memory_v,
                                  const std::optional<at::Tensor> &memory_bias, int64_t bos_id,
                                  const at::Tensor &max_len, const at::Tensor &penalty,
@@ -67,6 +68,12 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
   const int64_t B = memory_k[0].size(0), beam = finished_scores.size(1);
   const int64_t layers = static_cast<int64_t>(memory_k.size()), H = memory_k[0].size(1);
   const int64_t capacity = positions.size(0);
+  const bool int8 = !packed.empty() && packed[0].scalar_type() == at::kChar;
+  TORCH_CHECK(output_packed.size() == (int8 ? kInt8Parts : 0) ||
+                  (!int8 && output_packed.size() == 1),
+              "transformer_beam_search: output_packed must hold ",
+              int8 ? "the embedding's kInt8Parts int8 parts" : "nothing or the output's panels",
+              ", got ", output_packed.size(), " tensors");
   TORCH_CHECK(max_len.numel() == B && (B == 0 || max_len.max().item<int64_t>() <= capacity),
               "transformer_beam_search: positions has ", capacity,
               " rows, fewer than the longest max_len");
@@ -87,6 +94,14 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
   std::optional<at::Tensor> row_sentences;
 
   auto logits = reuse(workspace.logits, {B * beam, output.size(0)}, cache_options);
+  // int8: the output projection is the quantized embedding's first output.size(0) rows.
+  at::Tensor output_panels, output_scales, output_sums;
+  if (int8) {
+    const int64_t O = output.size(0);
+    output_panels = output_packed[kInt8Panels].narrow(0, 0, (O + 15) / 16);
+    output_scales = output_packed[kInt8Scales].narrow(0, 0, O);
+    output_sums = output_packed[kInt8Sums].narrow(0, 0, O);
+  }
   auto tokens = at::full({B, 1}, bos_id, long_options);
   auto scores = at::zeros({B}, finished_scores.options());
   auto sentences = at::arange(B, long_options);
@@ -94,13 +109,23 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
     const int64_t N = tokens.size(0);
     int64_t *own_row = history.data_ptr<int64_t>() + length;
     for (int64_t n = 0; n < N; ++n) own_row[n * capacity] = n;
-    // As the Embedding module computes it, op by op, so that both paths agree bit for bit.
-    auto x = at::embedding(embedding, tokens.select(1, length)).mul(embedding_scale);
-    x = x.add(positions.select(0, length));
+    // As the Embedding module (float32) or fastattn.decoding (int8) computes it, op by op, so
+    // that both paths agree bit for bit.
+    const auto newest = tokens.select(1, length);
+    auto x = int8 ? dequantize_rows_cpu(output_packed[kInt8Panels], output_packed[kInt8Scales],
+                                        newest.contiguous(), embedding.size(1))
+                  : at::embedding(embedding, newest);
+    x = x.mul(embedding_scale).add(positions.select(0, length));
     x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, memory_k,
                          memory_v, memory_bias, row_sentences, packed, eps);
     auto logprobs = logits.narrow(0, 0, N);
-    log_softmax_linear_out_cpu(x, output, output_packed, logprobs);
+    if (int8)
+      log_softmax_linear_int8_out_cpu(x, output_panels, output_scales, output_sums, logprobs);
+    else
+      log_softmax_linear_out_cpu(x, output, output_packed.empty()
+                                                ? std::nullopt
+                                                : std::optional<at::Tensor>(output_packed[0]),
+                                 logprobs);
     auto [next_tokens, next_scores, reorder, next_sentences] = beam_search_step_cpu(
         logprobs.to(at::kFloat), tokens, scores, sentences, max_len, penalty, finished_tokens,
         finished_scores, finished_lengths, finished_count, eos_id, nbest);

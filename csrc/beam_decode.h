@@ -13,7 +13,9 @@ namespace fastattn {
 // step function built in: per step the newest tokens are embedded (embedding[token] ·
 // embedding_scale + positions[position]), run through decoder_step_cpu (params, packed, eps as
 // there) and projected by log_softmax_linear_cpu (output: the tied embedding's first rows, the
-// pieces the softmax ranges over; output_packed its panels), and
+// pieces the softmax ranges over; output_packed: nothing, or their panels), and
+// int8 decoding (packed int8): output_packed is quantize_linear_weight(embedding)'s kInt8Parts,
+// which give the embedding rows (dequantize_rows) and the projection (its first rows), and
 // beam_search_step_cpu does the bookkeeping; the self-attention caches follow the surviving rows
 // through a history of cache rows.
 // memory_k[l] (B, H, S, Dk), memory_v[l] (B, H, S, Dv) and memory_bias (B, S) or none come from
@@ -23,7 +25,7 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
                                  const at::Tensor &positions,
                                  double embedding_scale, at::TensorList params,
                                  at::TensorList packed,
-                                 const std::optional<at::Tensor> &output_packed, double eps,
+                                 at::TensorList output_packed, double eps,
                                  at::TensorList memory_k, at::TensorList memory_v,
                                  const std::optional<at::Tensor> &memory_bias, int64_t bos_id,
                                  const at::Tensor &max_len, const at::Tensor &penalty,

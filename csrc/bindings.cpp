@@ -8,6 +8,7 @@
 #include "beam_search.h"
 #include "cross_entropy.h"
 #include "decode_attention.h"
+#include "int8_linear.h"
 #include "layer_norm.h"
 #include "packed_linear.h"
 
@@ -26,12 +27,18 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "Tensor? sentences, Tensor[] packed, float eps) -> Tensor");
   m.def(
       "transformer_beam_search(Tensor embedding, Tensor output, Tensor positions, "
-      "float embedding_scale, Tensor[] params, Tensor[] packed, Tensor? output_packed, "
+      "float embedding_scale, Tensor[] params, Tensor[] packed, Tensor[] output_packed, "
       "float eps, Tensor[] memory_k, Tensor[] memory_v, Tensor? memory_bias, int bos_id, "
       "Tensor max_len, Tensor penalty, "
       "Tensor(a!) finished_tokens, Tensor(b!) finished_scores, Tensor(c!) finished_lengths, "
       "Tensor(d!) finished_count, int eos_id, int nbest) -> ()");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
+  m.def("quantize_linear_weight(Tensor weight) -> (Tensor, Tensor, Tensor)");
+  m.def("dequantize_rows(Tensor panels, Tensor scales, Tensor rows, int dim) -> Tensor");
+  m.def("linear_int8(Tensor x, Tensor panels, Tensor scales, Tensor sums, Tensor? bias) -> Tensor");
+  m.def(
+      "log_softmax_linear_int8(Tensor x, Tensor panels, Tensor scales, Tensor sums) -> Tensor");
+  m.def("int8_kernel() -> str", &fastattn::int8_kernel_cpu);
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
   m.def("log_softmax_linear(Tensor x, Tensor weight, Tensor? packed) -> Tensor");
   m.def(
@@ -61,6 +68,10 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("decoder_step", &fastattn::decoder_step_cpu);
   m.impl("transformer_beam_search", &fastattn::transformer_beam_search_cpu);
   m.impl("pack_linear_weight", &fastattn::pack_linear_weight_cpu);
+  m.impl("quantize_linear_weight", &fastattn::quantize_linear_weight_cpu);
+  m.impl("dequantize_rows", &fastattn::dequantize_rows_cpu);
+  m.impl("linear_int8", &fastattn::linear_int8_cpu);
+  m.impl("log_softmax_linear_int8", &fastattn::log_softmax_linear_int8_cpu);
   m.impl("linear", &fastattn::linear_cpu);
   m.impl("log_softmax_linear", &fastattn::log_softmax_linear_cpu);
   m.impl("cpu_layer_norm_residual_fwd", &fastattn::layer_norm_residual_fwd_cpu);

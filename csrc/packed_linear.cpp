@@ -1,5 +1,6 @@
 #include "packed_linear.h"
 
+#include "row_lse.h"
 #include "vector_math.h"
 
 #include <ATen/ATen.h>
@@ -12,44 +13,6 @@
 namespace fastattn {
 
 namespace {
-
-constexpr int64_t kPanel = 16;  // output features per panel: one 16-float vector
-
-// A row's running log-sum-exp, as in online softmax: the largest value seen and, in 16 lanes,
-// the sums of e^(x - max) over the values seen. The lanes are rescaled only when the maximum
-// grows (rarely after the first panels), so adding 16 values costs one vector exp and no
-// reduction. A NaN makes the sum NaN.
-struct RowLse {
-  float max = -INFINITY;
-  v16 sum = {};
-
-  // Always inlined: a call would pass the vector in a register only some callers' targets have.
-  FASTATTN_INLINE void add16(v16 a) {
-    const float m = max16(a);
-    if (m > max) {
-      sum *= exp_nonpositive(max - m);
-      max = m;
-    }
-    if (max != -INFINITY) sum += exp_nonpositive(a - max);
-  }
-
-  // A last panel's `width` values.
-  FASTATTN_INLINE void add(const float *x, int64_t width) {
-    float padded[kPanel];
-    std::fill(padded, padded + kPanel, -INFINITY);  // e^-inf adds 0
-    std::copy(x, x + width, padded);
-    add16(load16(padded));
-  }
-
-  void merge(const RowLse &other) {
-    const float m = std::max(max, other.max);
-    if (m == -INFINITY) return;
-    sum = sum * exp_nonpositive(max - m) + other.sum * exp_nonpositive(other.max - m);
-    max = m;
-  }
-
-  float value() const { return max + std::log(sum16(sum)); }
-};
 
 // out[r, :width] = x[r] · panels + bias for R rows of x (rows D apart) and P adjacent panels
 // (D, 16) each, width <= 16·P; with lse, each row's values are added to its running
@@ -148,13 +111,6 @@ void panels(const float *x, int64_t N, int64_t D, const float *packed, const flo
   panels_portable(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
 
-// x[r, :] -= lse[r] for rows [begin, end) of O floats.
-FASTATTN_CLONES void subtract_rows(float *x, int64_t O, const float *lse, int64_t begin,
-                                   int64_t end) {
-  for (int64_t r = begin; r < end; ++r)
-    for (int64_t c = 0; c < O; ++c) x[r * O + c] -= lse[r];
-}
-
 void check_packed(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                   const std::optional<at::Tensor> &bias, const char *op) {
   const int64_t D = x.size(1), O = weight.size(0), count = (O + kPanel - 1) / kPanel;
@@ -176,6 +132,12 @@ int64_t panel_grain(int64_t N, int64_t D) {
 }
 
 }  // namespace
+
+FASTATTN_CLONES void subtract_rows(float *x, int64_t O, const float *lse, int64_t begin,
+                                   int64_t end) {
+  for (int64_t r = begin; r < end; ++r)
+    for (int64_t c = 0; c < O; ++c) x[r * O + c] -= lse[r];
+}
 
 at::Tensor pack_linear_weight_cpu(const at::Tensor &weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
@@ -231,20 +193,10 @@ void log_softmax_linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
   const auto xc = x.contiguous();
   const float *xp = xc.data_ptr<float>(), *pp = packed->data_ptr<float>();
   float *op = out.data_ptr<float>();
-  // One pass over the weight writes the logits and each thread's running log-sum-exp of every
-  // row; the threads' sums are merged, then one pass subtracts them.
-  std::vector<std::vector<RowLse>> partial(at::get_num_threads(), std::vector<RowLse>(N));
-  at::parallel_for(0, packed->size(0), panel_grain(N, D), [&](int64_t p0, int64_t p1) {
-    panels(xp, N, D, pp, nullptr, O, p0, p1, op, partial[at::get_thread_num()].data());
-  });
-  std::vector<float> lse(N);
-  for (int64_t r = 0; r < N; ++r) {
-    for (size_t t = 1; t < partial.size(); ++t) partial[0][r].merge(partial[t][r]);
-    lse[r] = partial[0][r].value();
-  }
-  at::parallel_for(0, N, std::max<int64_t>(1, 65536 / O), [&](int64_t begin, int64_t end) {
-    subtract_rows(op, O, lse.data(), begin, end);
-  });
+  log_softmax_panels(N, O, packed->size(0), panel_grain(N, D), op,
+                     [&](int64_t p0, int64_t p1, RowLse *lse) {
+                       panels(xp, N, D, pp, nullptr, O, p0, p1, op, lse);
+                     });
 }
 
 }  // namespace fastattn

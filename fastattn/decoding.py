@@ -3,6 +3,11 @@ encoder memory, the self-attention caches), and the choice between the two engin
 decoder, the Python layers' step() and fastattn._C's decoder (fastattn::decoder_step and
 fastattn::transformer_beam_search, CPU only). native_decoder_supports is the one rule for that
 choice; a model it refuses is decoded in Python, to the same result.
+
+The native decoder computes in one of PRECISIONS: "fp32", or "int8", where the decoder's linear
+maps, the target embedding and the output projection use int8 weights (one scale per output
+feature) and int8 activations (one scale per row), with int32 sums (csrc/int8_linear.h); the
+encoder, attention, LayerNorm and the log-softmax stay float32.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ if TYPE_CHECKING:  # for annotations only: fastattn.model imports this module
     from fastattn.model import Transformer, TransformerConfig
     from fastattn.search import BeamSearchSetup
 
-__all__ = ["DECODER_LAYER_SLOTS", "DecodingState", "gather_prefixes", "native_beam_search",
-           "native_decode_step", "native_decoder_supports", "native_decoder_weights",
-           "step_attention"]
+__all__ = ["DECODER_LAYER_SLOTS", "PRECISIONS", "DecodingState", "check_precision",
+           "gather_prefixes", "native_beam_search", "native_decode_step", "native_decoder_supports",
+           "native_decoder_weights", "native_embedding", "step_attention"]
 
 # The per-layer weights of fastattn::decoder_step in its order: csrc/decoder_layout.h's
 # DecoderLayerSlot, named alike (tests/test_decode_attention.py checks the two agree). Each is
@@ -41,7 +46,12 @@ DECODER_LAYER_SLOTS = (
 _PACKED_LINEARS = ("self_attention.qkv", "self_attention.out", "cross_attention.q",
                    "cross_attention.out", "feed_forward.w1", "feed_forward.w2")
 
-NativeWeights = tuple[list[Tensor], list[Tensor], "Tensor | None"]
+PRECISIONS = ("fp32", "int8")
+
+# For fastattn::decoder_step and transformer_beam_search: the decoder's weights by slot, the
+# linear maps' packed weights (float32 panels, or the kInt8Parts of each int8 one), and the
+# output projection's (its panels, or the int8 embedding's parts).
+NativeWeights = tuple[list[Tensor], list[Tensor], list[Tensor]]
 
 
 def _has_native_cpu_op(name: str) -> bool:
@@ -52,13 +62,26 @@ def _has_native_cpu_op(name: str) -> bool:
 NATIVE_STEP_ATTENTION = _has_native_cpu_op("decode_attention")
 NATIVE_DECODER_STEP = _has_native_cpu_op("decoder_step")
 NATIVE_BEAM_SEARCH = _has_native_cpu_op("transformer_beam_search")
+NATIVE_INT8 = _has_native_cpu_op("linear_int8")
 
 
-def native_decoder_supports(model: Transformer, like: Tensor) -> str | None:
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+
+
+def native_decoder_supports(model: Transformer, like: Tensor, precision: str = "fp32"
+                            ) -> str | None:
     """None when fastattn._C's decoder computes `model`'s decoder for tensors like `like` (its
-    device and dtype) exactly as the Python layers do; otherwise the reason it does not, and the
-    caller decodes in Python. The native decoder is the paper's: post-norm layers, ReLU, on CPU
-    in float32 or float64."""
+    device and dtype) exactly as the Python layers do (in fp32), or in int8; otherwise the
+    reason it does not, and the caller decodes in Python (fp32) or refuses (int8, which only the
+    native decoder computes). The native decoder is the paper's: post-norm layers, ReLU, on CPU
+    in float32 or float64; int8 in float32."""
+    if precision == "int8":
+        if not NATIVE_INT8:
+            return "fastattn._C's int8 kernels are not built"
+        if like.dtype != torch.float32:
+            return f"dtype {like.dtype}: int8 decoding computes in float32"
     if not NATIVE_DECODER_STEP:
         return "fastattn._C's decoder_step is not built"
     if model.cfg.pre_norm:
@@ -70,25 +93,45 @@ def native_decoder_supports(model: Transformer, like: Tensor) -> str | None:
     return None
 
 
-def native_decoder_weights(model: Transformer) -> NativeWeights:
-    """For fastattn::decoder_step: the decoder's weights, DECODER_LAYER_SLOTS per layer, and for
-    float32 the panels of its linear maps per layer (_PACKED_LINEARS) and of the output
-    projection (fastattn::pack_linear_weight, the few-row layout). Built once and again only
+def native_decoder_weights(model: Transformer, precision: str = "fp32") -> NativeWeights:
+    """For fastattn::decoder_step: the decoder's weights, DECODER_LAYER_SLOTS per layer, and,
+    per layer, its linear maps' weights (_PACKED_LINEARS) and the output projection's in the
+    native layouts: for float32 the few-row panels (fastattn::pack_linear_weight), for int8 the
+    quantized weights (fastattn::quantize_linear_weight; the output's are the quantized
+    embedding's, which the target embedding reads too). Built once per precision and again only
     after a weight changed: in-place updates bump a tensor's _version, and Transformer.train()
     drops the copies for the updates that do not (fused optimisers)."""
     key = tuple((p.data_ptr(), p._version) for p in model.parameters())
-    if model._decoder_weights_key != key:
-        layers = [dict(layer.named_parameters()) for layer in model.decoder.layers]
-        params = [layer[name].detach() for layer in layers for name in DECODER_LAYER_SLOTS]
-        panels, output_panels = [], None
-        if model.embedding.weight.dtype == torch.float32:
-            pack = torch.ops.fastattn.pack_linear_weight
-            panels = [pack(layer[f"{name}.weight"].detach()) for layer in layers
-                      for name in _PACKED_LINEARS]
-            output_panels = pack(model.output_weight.detach())
-        model._decoder_weights = params, panels, output_panels
-        model._decoder_weights_key = key
-    return model._decoder_weights
+    cached = model._decoder_weights.get(precision)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    layers = [dict(layer.named_parameters()) for layer in model.decoder.layers]
+    params = [layer[name].detach() for layer in layers for name in DECODER_LAYER_SLOTS]
+    linears = [layer[f"{name}.weight"].detach() for layer in layers for name in _PACKED_LINEARS]
+    packed, output = [], []
+    if precision == "int8":
+        quantize = torch.ops.fastattn.quantize_linear_weight
+        packed = [part for weight in linears for part in quantize(weight)]
+        output = list(quantize(model.embedding.weight.detach()))
+    elif model.embedding.weight.dtype == torch.float32:
+        pack = torch.ops.fastattn.pack_linear_weight
+        packed = [pack(weight) for weight in linears]
+        output = [pack(model.output_weight.detach())]
+    weights = params, packed, output
+    model._decoder_weights[precision] = key, weights
+    return weights
+
+
+def native_embedding(model: Transformer, tokens: Tensor, state: DecodingState) -> Tensor:
+    """The embedded newest tokens (N,) at position state.length, as model.embedding computes
+    them (float32) or from the int8 embedding (int8): transformer_beam_search's op sequence."""
+    if state.precision != "int8":
+        return model.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
+    if state.native_weights is None:
+        state.native_weights = native_decoder_weights(model, state.precision)
+    panels, scales, _ = state.native_weights[2]
+    x = torch.ops.fastattn.dequantize_rows(panels, scales, tokens, model.cfg.d_model)
+    return x.mul(model.embedding.scale).add(model.embedding.positions(state.length, 1)[0])
 
 
 def native_decode_step(model: Transformer, x: Tensor, state: DecodingState) -> Tensor:
@@ -96,15 +139,20 @@ def native_decode_step(model: Transformer, x: Tensor, state: DecodingState) -> T
     the embedded newest position (native_decoder_supports(model, x) must be None): the whole
     stack in one call, since a few-row step is dominated by per-op overhead."""
     if state.native_weights is None:  # once per decoding: weights do not change within
-        state.native_weights = native_decoder_weights(model)
-    params, panels, output_panels = state.native_weights
+        state.native_weights = native_decoder_weights(model, state.precision)
+    params, packed, output = state.native_weights
     x = torch.ops.fastattn.decoder_step(
         x, params, state.self_k, state.self_v, state.history, state.length,
-        state.memory_k, state.memory_v, _flat_memory_bias(state), state.sentences, panels,
+        state.memory_k, state.memory_v, _flat_memory_bias(state), state.sentences, packed,
         model.decoder.layers[0].feed_forward_norm.norm.eps)
     state.length += 1
+    if state.precision == "int8":  # the output projection is the embedding's first rows
+        panels, scales, sums = output
+        rows = model.cfg.output_size
+        return torch.ops.fastattn.log_softmax_linear_int8(
+            x, panels[: -(-rows // 16)], scales[:rows], sums[:rows])
     return torch.ops.fastattn.log_softmax_linear(x, model.output_weight.detach(),
-                                                 output_panels).float()
+                                                 output[0] if output else None).float()
 
 
 def native_beam_search(model: Transformer, state: DecodingState, setup: BeamSearchSetup,
@@ -114,11 +162,11 @@ def native_beam_search(model: Transformer, state: DecodingState, setup: BeamSear
     keeps its largest buffers (caches and logits, about 20 MB for 64 sentences of the multi30k
     model; sets over 256 MB are freed) for the next call on the same thread: allocating them
     afresh cost a tenth of a batch-64 search in page faults."""
-    params, panels, output_panels = native_decoder_weights(model)
+    params, packed, output = native_decoder_weights(model, state.precision)
     torch.ops.fastattn.transformer_beam_search(
         model.embedding.weight.detach(), model.output_weight.detach(),
-        model.embedding.positions(0, state.capacity), model.embedding.scale, params, panels,
-        output_panels, model.decoder.layers[0].feed_forward_norm.norm.eps, state.memory_k,
+        model.embedding.positions(0, state.capacity), model.embedding.scale, params, packed,
+        output, model.decoder.layers[0].feed_forward_norm.norm.eps, state.memory_k,
         state.memory_v, _flat_memory_bias(state), bos_id, setup.limits, setup.penalty,
         *setup.finished, eos_id, nbest)
 
@@ -154,7 +202,8 @@ class DecodingState:
     row history[n, j] that holds it, so that beam search's reordering copies N·t indices instead
     of the caches.
     `sentences` is None while the rows are grouped by sentence in memory order, r rows each
-    (N = B·r, beam search's layout); otherwise the (N,) sentence of every row.
+    (N = B·r, beam search's layout); otherwise the (N,) sentence of every row. `precision`
+    (PRECISIONS) is what the native decoder computes in.
 
     The rows decode_step sees (N of them, any multiple of B on the first call, e.g. B·beam) map
     to sentences: row i of the first call belongs to sentence i // (N / B). ``reorder(rows)``
@@ -170,7 +219,9 @@ class DecodingState:
     """
 
     def __init__(self, memory_k: list[Tensor], memory_v: list[Tensor], memory_mask: Tensor,
-                 capacity: int) -> None:
+                 capacity: int, precision: str = "fp32") -> None:
+        check_precision(precision)
+        self.precision = precision
         self.memory_k, self.memory_v = memory_k, memory_v
         self.memory_bias = _padding_bias(memory_mask, memory_k[0].dtype if memory_k else None)
         self.capacity = capacity

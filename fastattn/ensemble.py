@@ -48,8 +48,9 @@ class Ensemble(torch.nn.Module):
                              f"got (vocabulary, output) sizes {sorted(sizes)}")
         self.members = torch.nn.ModuleList(members)
 
-    def start_decoding(self, src: Tensor, capacity: int | None = None) -> EnsembleState:
-        return EnsembleState([m.start_decoding(src, capacity) for m in self.members])
+    def start_decoding(self, src: Tensor, capacity: int | None = None,
+                       precision: str = "fp32") -> EnsembleState:
+        return EnsembleState([m.start_decoding(src, capacity, precision) for m in self.members])
 
     def decode_step(self, tokens: Tensor, state: EnsembleState) -> Tensor:
         """tokens (N,) -> log of the members' mean next-token probabilities (N, output_size)."""
@@ -63,18 +64,20 @@ class Ensemble(torch.nn.Module):
     @torch.inference_mode()
     def beam_search(self, src: Tensor, *, beam_size: int = 4, bos_id: int, eos_id: int,
                     max_len: int | Tensor, alpha: float = 0.6,
-                    length_penalty: LengthPenalty = "gnmt",
-                    nbest: int = 1) -> list[list[Hypothesis]]:
-        """fastattn.beam_search of src (B, S) over decode_step (one member: its own search)."""
+                    length_penalty: LengthPenalty = "gnmt", nbest: int = 1,
+                    precision: str = "fp32") -> list[list[Hypothesis]]:
+        """fastattn.beam_search of src (B, S) over decode_step (one member: its own search);
+        precision as in Transformer.start_decoding, for every member."""
         options = dict(beam_size=beam_size, bos_id=bos_id, eos_id=eos_id, alpha=alpha,
                        length_penalty=length_penalty, nbest=nbest)
         if len(self.members) == 1:
-            return self.members[0].beam_search(src, max_len=max_len, **options)
+            return self.members[0].beam_search(src, max_len=max_len, precision=precision,
+                                               **options)
         if src.shape[0] == 0:
             return []
         limits = max_len if isinstance(max_len, Tensor) else torch.full(
             (src.shape[0],), max_len, dtype=torch.long, device=src.device)
-        state = self.start_decoding(src, capacity=int(limits.max()))
+        state = self.start_decoding(src, capacity=int(limits.max()), precision=precision)
 
         def step_fn(tokens: Tensor, reorder: Tensor | None) -> Tensor:
             if reorder is not None:

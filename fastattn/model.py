@@ -421,10 +421,9 @@ class Transformer(nn.Module):
         self.embedding = Embedding(cfg)
         self.encoder = Stack(cfg, EncoderLayer, cfg.encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.decoder_layers)
-        # fastattn.decoding.native_decoder_weights' cache and the parameter versions it was
-        # built from.
-        self._decoder_weights: tuple[list[Tensor], list[Tensor], Tensor | None] | None = None
-        self._decoder_weights_key: tuple | None = None
+        # fastattn.decoding.native_decoder_weights' cache: per precision, the parameter versions
+        # the weights were built from and the weights.
+        self._decoder_weights: dict[str, tuple[tuple, decoding.NativeWeights]] = {}
         for name, p in self.named_parameters():
             if name.endswith(".weight") and p.dim() == 2 and not name.startswith("embedding"):
                 nn.init.xavier_uniform_(p)
@@ -526,15 +525,23 @@ class Transformer(nn.Module):
     # -- incremental decoding -----------------------------------------------------------------
 
     @torch.inference_mode()
-    def start_decoding(self, src: Tensor, capacity: int | None = None) -> DecodingState:
+    def start_decoding(self, src: Tensor, capacity: int | None = None,
+                       precision: str = "fp32") -> DecodingState:
         """Encodes src (B, S) once and returns the state for decode_step (fastattn.decoding's
         DecodingState says how its rows map to sentences and reorder). The encoder keys and
         values of every decoder layer are computed here, once per sentence (not per beam).
         `capacity` is the number of positions preallocated per row (default S + 50, the paper's
-        maximum output length); the caches grow when a longer output needs it. Decoding is
-        inference: no dropout, no gradients."""
+        maximum output length); the caches grow when a longer output needs it. `precision`:
+        one of fastattn.decoding.PRECISIONS; "int8" needs the native CPU decoder (a model or
+        device it does not cover raises ValueError). Decoding is inference: no dropout, no
+        gradients."""
         if self.training:
             raise RuntimeError("decoding is inference: call model.eval() first")
+        decoding.check_precision(precision)
+        if precision != "fp32":
+            reason = decoding.native_decoder_supports(self, self.embedding.weight, precision)
+            if reason is not None:
+                raise ValueError(f"precision {precision} needs fastattn._C's CPU decoder: {reason}")
         if not _range_checked(src):  # GPUs check here, once per search, not in training steps
             _check_tokens("src", src, self.cfg.vocab_size)
             _check_token_range("src", src, self.cfg.vocab_size)
@@ -542,7 +549,8 @@ class Transformer(nn.Module):
         # Views into each layer's (B, S, 2·h·d) projection: the attention reads any strides.
         memory_kv = [layer.cross_attention.memory_kv(memory) for layer in self.decoder.layers]
         return DecodingState(memory_k=[k for k, _ in memory_kv], memory_v=[v for _, v in memory_kv],
-                             memory_mask=mask, capacity=capacity or src.shape[1] + 50)
+                             memory_mask=mask, capacity=capacity or src.shape[1] + 50,
+                             precision=precision)
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, state: DecodingState) -> Tensor:
@@ -552,8 +560,8 @@ class Transformer(nn.Module):
         if _range_checked(tokens):
             _check_token_range("tokens", tokens, self.cfg.vocab_size)
         state.start_position(tokens.shape[0], self.cfg, self.embedding.weight)
-        x = self.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
-        if decoding.native_decoder_supports(self, x) is None:
+        x = decoding.native_embedding(self, tokens, state)
+        if decoding.native_decoder_supports(self, x, state.precision) is None:
             return decoding.native_decode_step(self, x, state)
         for i, layer in enumerate(self.decoder.layers):
             x = layer.step(x, state, i)
@@ -565,18 +573,20 @@ class Transformer(nn.Module):
     @torch.inference_mode()
     def beam_search(self, src: Tensor, *, beam_size: int = 4, bos_id: int, eos_id: int,
                     max_len: int | Tensor, alpha: float = 0.6,
-                    length_penalty: LengthPenalty = "gnmt",
-                    nbest: int = 1) -> list[list[Hypothesis]]:
+                    length_penalty: LengthPenalty = "gnmt", nbest: int = 1,
+                    precision: str = "fp32") -> list[list[Hypothesis]]:
         """fastattn.beam_search of src (B, S) over the cached decoder: each sentence's nbest
         hypotheses, best first. On CPU with fastattn._C the whole search is one native call
         (fastattn::transformer_beam_search), else beam_search over decode_step; both give the
-        same tokens and scores (fastattn.decoding.native_decoder_supports decides)."""
+        same tokens and scores (fastattn.decoding.native_decoder_supports decides). precision:
+        as in start_decoding."""
+        decoding.check_precision(precision)
         setup = BeamSearchSetup.create(src.shape[0], beam_size, nbest, max_len, alpha,
                                        length_penalty, src.device)
         if src.shape[0] == 0:
             return []
-        state = self.start_decoding(src, capacity=int(setup.limits.max()))
-        native = decoding.native_decoder_supports(self, state.memory_k[0]) is None
+        state = self.start_decoding(src, capacity=int(setup.limits.max()), precision=precision)
+        native = decoding.native_decoder_supports(self, state.memory_k[0], precision) is None
         if native and decoding.NATIVE_BEAM_SEARCH:
             decoding.native_beam_search(self, state, setup, bos_id, eos_id, nbest)
             return setup.best(nbest)
@@ -593,7 +603,7 @@ class Transformer(nn.Module):
     def train(self, mode: bool = True) -> Transformer:
         # Fused Adam writes the weights without bumping their version counters, so the packed
         # copies cannot tell; a switch of mode (training <-> evaluation) rebuilds them.
-        self._decoder_weights = self._decoder_weights_key = None
+        self._decoder_weights = {}
         return super().train(mode)
 
 

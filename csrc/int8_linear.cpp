@@ -1,0 +1,335 @@
+#include "int8_linear.h"
+
+#include "row_lse.h"
+#include "vector_math.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace fastattn {
+
+namespace {
+
+constexpr int64_t kQuad = 4;                 // inputs per int32 lane of vpdpbusd
+constexpr int64_t kVector = kPanel * kQuad;  // bytes of one panel row: 16 outputs × 4 inputs
+
+// One row quantized: u[d] = round(x[d] / scale) + 128 for d < D, 128 (a zero) up to D4 · 4.
+// Returns scale = max |x| / 127: 0 for a zero row, NaN for a row holding an inf or a NaN (its
+// outputs are then NaN, as float32's would be).
+FASTATTN_CLONES float quantize_row(const float *x, int64_t D, uint8_t *u, int64_t D4) {
+  float amax = 0, finite = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    amax = std::max(amax, std::fabs(x[d]));
+    finite += x[d] * 0.f;  // NaN once any value is inf or NaN
+  }
+  std::fill(u, u + D4 * kQuad, uint8_t{128});
+  if (std::isnan(finite)) return NAN;
+  if (amax == 0.f) return 0.f;
+  const float inverse = 127.f / amax;
+  for (int64_t d = 0; d < D; ++d) {
+    const float q = std::min(127.f, std::max(-127.f, std::nearbyint(x[d] * inverse)));
+    u[d] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
+  }
+  return amax / 127.f;
+}
+
+// The arguments of one product: N rows of quantized x (row stride xs bytes, scales xscale)
+// against the panels, into out (N, O).
+struct Int8Product {
+  const uint8_t *x;
+  int64_t xs;
+  const float *xscale;
+  int64_t N, D4, O;
+  const int8_t *panels;
+  const float *scales;
+  const int32_t *sums;
+  const float *bias;
+  float *out;
+};
+
+// out[n, 16p : 16p + 16] = (acc - 128 · sums) · (sx[n] · sw) + bias, the last panel's first
+// columns only; with lse, the values join row n's running log-sum-exp.
+FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const int32_t *acc,
+                            RowLse *lse) {
+  const int64_t o = p * kPanel, columns = std::min(kPanel, a.O - o);
+  float *out = a.out + n * a.O + o;
+  const float xscale = a.xscale[n];
+  if (columns == kPanel) {
+    v16i sum, offset;
+    std::memcpy(&sum, acc, sizeof sum);
+    std::memcpy(&offset, a.sums + o, sizeof offset);
+    v16 y = __builtin_convertvector(sum - 128 * offset, v16) * (xscale * load16(a.scales + o));
+    if (a.bias) y += load16(a.bias + o);
+    std::memcpy(out, &y, sizeof y);
+    if (lse) lse->add16(y);
+    return;
+  }
+  float y[kPanel];
+  for (int64_t c = 0; c < columns; ++c) {
+    y[c] = static_cast<float>(acc[c] - 128 * a.sums[o + c]) * (xscale * a.scales[o + c]);
+    if (a.bias) y[c] += a.bias[o + c];
+  }
+  std::memcpy(out, y, columns * sizeof(float));
+  if (lse) lse->add(y, columns);
+}
+
+// Panels [p0, p1) for all rows, one row and one panel at a time: the fallback of CPUs without
+// VNNI, the same integers by plain multiply-adds.
+FASTATTN_CLONES void panels_scalar(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const int8_t *panel = a.panels + p * a.D4 * kVector;
+    for (int64_t n = 0; n < a.N; ++n) {
+      const uint8_t *x = a.x + n * a.xs;
+      int32_t acc[kPanel] = {};
+      for (int64_t k = 0; k < a.D4; ++k)
+        for (int64_t c = 0; c < kPanel; ++c)
+          for (int64_t b = 0; b < kQuad; ++b)
+            acc[c] += int32_t{x[k * kQuad + b]} * int32_t{panel[k * kVector + c * kQuad + b]};
+      finish(a, n, p, acc, lse ? lse + n : nullptr);
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FASTATTN_VNNI __attribute__((target("arch=x86-64-v4,avx512vnni")))
+#define FASTATTN_VNNI_INLINE FASTATTN_VNNI inline __attribute__((always_inline))
+
+// acc += the 4-byte dot products of u8 x and s8 w in each int32 lane. As asm: GCC 12 copies the
+// intrinsic's accumulator to another register and back around every vpdpbusd (two moves per
+// multiply-add), which spilled the 24 accumulators of a 12-row block to the stack.
+FASTATTN_VNNI_INLINE __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
+  asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
+// Rows [n, n + R) against panels [p, p + P): R·P accumulators of 16 int32 lanes, each step one
+// 4-byte broadcast of a row and one vpdpbusd per panel (64 multiply-adds), the weight vectors
+// loaded once for all R rows.
+template <int R, int P>
+FASTATTN_VNNI_INLINE void block_vnni(const Int8Product &a, int64_t n, int64_t p, RowLse *lse) {
+  __m512i acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_si512();
+  const int8_t *panel = a.panels + p * a.D4 * kVector;
+  const uint8_t *x = a.x + n * a.xs;
+  for (int64_t k = 0; k < a.D4; ++k) {
+    __m512i w[P];
+    for (int q = 0; q < P; ++q) w[q] = _mm512_loadu_si512(panel + (q * a.D4 + k) * kVector);
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, x + r * a.xs + k * kQuad, sizeof quad);
+      const __m512i xr = _mm512_set1_epi32(quad);
+      for (int q = 0; q < P; ++q) acc[r][q] = dpbusd(acc[r][q], xr, w[q]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) {
+      int32_t sums[kPanel];
+      _mm512_storeu_si512(sums, acc[r][q]);
+      finish(a, n + r, p + q, sums, lse ? lse + n + r : nullptr);
+    }
+  }
+}
+
+// All rows against panels [p, p + P), 12 at a time (24 accumulators, 2 weight vectors and a
+// broadcast of AVX-512's 32 registers), then the rest.
+template <int P>
+FASTATTN_VNNI_INLINE void rows_vnni(const Int8Product &a, int64_t p, RowLse *lse) {
+  int64_t n = 0;
+  for (; n + 12 <= a.N; n += 12) block_vnni<12, P>(a, n, p, lse);
+  for (; n + 6 <= a.N; n += 6) block_vnni<6, P>(a, n, p, lse);
+  switch (a.N - n) {
+    case 5: block_vnni<5, P>(a, n, p, lse); break;
+    case 4: block_vnni<4, P>(a, n, p, lse); break;
+    case 3: block_vnni<3, P>(a, n, p, lse); break;
+    case 2: block_vnni<2, P>(a, n, p, lse); break;
+    case 1: block_vnni<1, P>(a, n, p, lse); break;
+  }
+}
+
+FASTATTN_VNNI void panels_vnni(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  int64_t p = p0;
+  for (; p + 2 <= p1; p += 2) rows_vnni<2>(a, p, lse);
+  for (; p < p1; ++p) rows_vnni<1>(a, p, lse);
+}
+#endif
+
+bool use_vnni() {
+  static const bool vnni = [] {
+    const char *capability = std::getenv("ATEN_CPU_CAPABILITY");
+    if (capability && std::string(capability) != "avx512") return false;
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vnni");
+#else
+    return false;
+#endif
+  }();
+  return vnni;
+}
+
+void run_panels(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (use_vnni()) return panels_vnni(a, p0, p1, lse);
+#endif
+  panels_scalar(a, p0, p1, lse);
+}
+
+void check_quantized(const at::Tensor &x, const at::Tensor &panels, const at::Tensor &scales,
+                     const at::Tensor &sums, const char *op) {
+  const int64_t O = scales.size(0);
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kChar &&
+                  panels.is_contiguous() && panels.size(0) == (O + kPanel - 1) / kPanel &&
+                  panels.size(2) == kPanel && panels.size(3) == kQuad,
+              op, ": panels must be quantize_linear_weight's int8 (ceil(O / 16), ceil(D / 4), 16, "
+              "4) for O = ", O, ", got ", panels.sizes(), " ", panels.scalar_type());
+  TORCH_CHECK(scales.dim() == 1 && scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  sums.dim() == 1 && sums.size(0) == O && sums.scalar_type() == at::kInt &&
+                  sums.is_contiguous(),
+              op, ": scales must be float32 (O) and sums int32 (O), contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat &&
+                  (x.size(1) + kQuad - 1) / kQuad == panels.size(1),
+              op, ": x must be float32 (N, D) with ceil(D / 4) = ", panels.size(1), ", got ",
+              x.sizes(), " ", x.scalar_type());
+}
+
+// x quantized row by row into `bytes` (N rows of D4 · 4) and `xscale` (N).
+Int8Product quantize_input(const at::Tensor &x, const at::Tensor &panels,
+                           const at::Tensor &scales, const at::Tensor &sums,
+                           std::vector<uint8_t> &bytes, std::vector<float> &xscale) {
+  const int64_t N = x.size(0), D = x.size(1), D4 = panels.size(1);
+  const auto xc = x.contiguous();
+  bytes.resize(N * D4 * kQuad);
+  xscale.resize(N);
+  const float *xp = xc.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n)
+    xscale[n] = quantize_row(xp + n * D, D, bytes.data() + n * D4 * kQuad, D4);
+  return Int8Product{bytes.data(), D4 * kQuad, xscale.data(), N, D4, scales.size(0),
+                     panels.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                     sums.data_ptr<int32_t>(), nullptr, nullptr};
+}
+
+// Threads only pay off with some work per task: about 256k multiply-adds (4 per byte of a
+// vpdpbusd, four times the float32 panels' 64k).
+int64_t panel_grain(int64_t N, int64_t D4) {
+  return std::max<int64_t>(1, 262144 / std::max<int64_t>(1, N * D4 * kVector));
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_linear_weight_cpu(
+    const at::Tensor &weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "quantize_linear_weight: weight must be a float32 (out_features, in_features) "
+              "tensor, got ", weight.sizes(), " ", weight.scalar_type());
+  const int64_t O = weight.size(0), D = weight.size(1), D4 = (D + kQuad - 1) / kQuad;
+  const int64_t count = (O + kPanel - 1) / kPanel;
+  auto panels = at::zeros({count, D4, kPanel, kQuad}, weight.options().dtype(at::kChar));
+  auto scales = at::empty({O}, weight.options());
+  auto sums = at::empty({O}, weight.options().dtype(at::kInt));
+  const auto wc = weight.contiguous();
+  const float *wp = wc.data_ptr<float>();
+  int8_t *pp = panels.data_ptr<int8_t>();
+  float *sp = scales.data_ptr<float>();
+  int32_t *sump = sums.data_ptr<int32_t>();
+  at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> row(D4 * kQuad);
+    for (int64_t o = begin; o < end; ++o) {
+      sp[o] = quantize_row(wp + o * D, D, row.data(), D4);
+      int32_t sum = 0;
+      int8_t *panel = pp + (o / kPanel) * D4 * kVector + (o % kPanel) * kQuad;
+      for (int64_t d = 0; d < D4 * kQuad; ++d) {
+        const int8_t q = static_cast<int8_t>(int32_t{row[d]} - 128);
+        panel[(d / kQuad) * kVector + d % kQuad] = q;
+        sum += q;
+      }
+      sump[o] = sum;
+    }
+  });
+  return {panels, scales, sums};
+}
+
+at::Tensor dequantize_rows_cpu(const at::Tensor &panels, const at::Tensor &scales,
+                               const at::Tensor &rows, int64_t D) {
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kChar && panels.is_contiguous() &&
+                  scales.dim() == 1 && scales.scalar_type() == at::kFloat &&
+                  0 < D && D <= panels.size(1) * kQuad,
+              "dequantize_rows: need quantize_linear_weight's panels and scales and 0 < D <= ",
+              panels.size(1) * kQuad, ", got ", panels.sizes(), ", ", scales.sizes(), ", D ", D);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong,
+              "dequantize_rows: rows must be an int64 (N) tensor, got ", rows.sizes(), " ",
+              rows.scalar_type());
+  const int64_t N = rows.size(0), O = scales.size(0), D4 = panels.size(1);
+  const auto rc = rows.contiguous();
+  const int64_t *rp = rc.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(0 <= rp[n] && rp[n] < O, "dequantize_rows: row ", rp[n], " is outside 0..",
+                O - 1);
+  auto out = at::empty({N, D}, scales.options());
+  const int8_t *pp = panels.data_ptr<int8_t>();
+  const float *sp = scales.contiguous().data_ptr<float>();
+  float *op = out.data_ptr<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const int8_t *panel = pp + (rp[n] / kPanel) * D4 * kVector + (rp[n] % kPanel) * kQuad;
+    for (int64_t d = 0; d < D; ++d)
+      op[n * D + d] = static_cast<float>(panel[(d / kQuad) * kVector + d % kQuad]) * sp[rp[n]];
+  }
+  return out;
+}
+
+at::Tensor linear_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
+                           const at::Tensor &scales, const at::Tensor &sums,
+                           const std::optional<at::Tensor> &bias) {
+  check_quantized(x, panels, scales, sums, "linear_int8");
+  const int64_t O = scales.size(0);
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == O &&
+                        bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "linear_int8: bias must be a contiguous float32 (", O, ") tensor");
+  std::vector<uint8_t> bytes;
+  std::vector<float> xscale;
+  auto product = quantize_input(x, panels, scales, sums, bytes, xscale);
+  auto out = at::empty({x.size(0), O}, x.options());
+  product.bias = bias ? bias->data_ptr<float>() : nullptr;
+  product.out = out.data_ptr<float>();
+  at::parallel_for(0, panels.size(0), panel_grain(product.N, product.D4),
+                   [&](int64_t p0, int64_t p1) { run_panels(product, p0, p1, nullptr); });
+  return out;
+}
+
+at::Tensor log_softmax_linear_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
+                                       const at::Tensor &scales, const at::Tensor &sums) {
+  auto out = at::empty({x.size(0), scales.size(0)}, x.options());
+  log_softmax_linear_int8_out_cpu(x, panels, scales, sums, out);
+  return out;
+}
+
+void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &panels,
+                                     const at::Tensor &scales, const at::Tensor &sums,
+                                     at::Tensor &out) {
+  check_quantized(x, panels, scales, sums, "log_softmax_linear_int8");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == scales.size(0) &&
+                  out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "log_softmax_linear_int8: out must be a contiguous float32 (", x.size(0), ", ",
+              scales.size(0), ") tensor, got ", out.sizes(), " ", out.scalar_type());
+  std::vector<uint8_t> bytes;
+  std::vector<float> xscale;
+  auto product = quantize_input(x, panels, scales, sums, bytes, xscale);
+  product.out = out.data_ptr<float>();
+  log_softmax_panels(product.N, product.O, panels.size(0), panel_grain(product.N, product.D4),
+                     product.out, [&](int64_t p0, int64_t p1, RowLse *lse) {
+                       run_panels(product, p0, p1, lse);
+                     });
+}
+
+std::string int8_kernel_cpu() { return use_vnni() ? "avx512-vnni" : "scalar"; }
+
+}  // namespace fastattn
