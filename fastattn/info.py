@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 import fastattn
-from fastattn import backend
+from fastattn import backend, decoding
 from fastattn.backend import OPS, implementation
 from fastattn.cli import ArgumentParser
 
@@ -72,6 +72,14 @@ def _extension() -> str:
            f"{'yes' if cuda_search else 'no'}"
 
 
+def _decoding() -> str:
+    """The native decoder's precisions and the int8 dot product it runs here."""
+    if not decoding.NATIVE_DECODER_STEP:
+        return "python (fastattn._C not built): fp32"
+    kernel = torch.ops.fastattn.int8_kernel() if decoding.NATIVE_INT8 else "not built"
+    return f"native: {', '.join(decoding.PRECISIONS)}; int8 kernel {kernel}"
+
+
 def _triton() -> tuple[str, str]:
     if backend.TRITON_PROBLEM is not None:
         return "not usable", backend.TRITON_PROBLEM
@@ -102,6 +110,7 @@ def report() -> str:
         f"{torch.get_num_threads()} torch threads",
         f"{'cpu features':<28}{_cpu_features()}",
         f"{'gpu':<28}{_gpu()}",
+        f"{'cpu decoding':<28}{_decoding()}",
         "",
         "dispatch: op, device, dtype, grad mode -> implementation (attention masked or causal; "
         f"attention[D>{backend.TRITON_MAX_HEAD_DIM}]: heads wider than the Triton kernels')",

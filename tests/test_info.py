@@ -6,6 +6,7 @@ import sys
 
 import torch
 
+from fastattn import decoding
 from fastattn.backend import IMPLEMENTATIONS, OPS, TRITON_MAX_HEAD_DIM, implementation
 from fastattn.info import DTYPES, GRAD_MODES, VARIANTS
 from fastattn.kernels.attention import MAX_HEAD_DIM
@@ -16,8 +17,11 @@ def test_info_prints_the_dispatch_table_implementation_returns():
                          env=dict(os.environ), timeout=120)
     assert out.returncode == 0, out.stderr
     head, table = out.stdout.split("dispatch:")
-    for field in ("python", "torch", "triton", "fastattn._C", "backend", "cpu features", "gpu"):
+    for field in ("python", "torch", "triton", "fastattn._C", "backend", "cpu features", "gpu",
+                  "cpu decoding"):
         assert field in head, field
+    if decoding.NATIVE_INT8:  # the int8 kernel this machine runs, as the extension reports it
+        assert f"int8 kernel {torch.ops.fastattn.int8_kernel()}" in head
     rows = {tuple(line.split()[:4]): line.split(None, 4)[4] for line in table.splitlines()[1:]}
     assert len(rows) == (len(OPS) + len(VARIANTS)) * 2 * len(DTYPES) * len(GRAD_MODES)
     for (label, device, dtype, mode), impl in rows.items():
