@@ -71,8 +71,6 @@ BATCHES_PER_WORKER = {BATCHES[0]: 1, BATCHES[1]: 1, 1: 1 if QUICK else 4}
 CONFIGS = sorted({(1, CORES), (CORES, 1)})
 # fastattn's name of a precision -> CTranslate2's compute_type.
 COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16"}
-# The precisions Transformer.beam_search takes; fp32 only before its `precision` keyword.
-FASTATTN_PRECISIONS = getattr(decoding, "PRECISIONS", ("fp32",))
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / \
     "multi30k-en-de" / "checkpoint_final.pt"
@@ -134,13 +132,10 @@ def fastattn_decoder(model: Model, precision: str, beam: int = BEAM, ensemble: b
     """One batch through the product's path (fastattn.Translator's): Transformer.beam_search,
     one native call (an Ensemble's: fastattn.beam_search over its members' cached steps)."""
     decoder = model.ensemble if ensemble else model.model
-    # fp32 is the default, and the only precision before beam_search has the keyword.
-    options = {} if precision == "fp32" else {"precision": precision}
-
     def decode(batch):
         return decoder.beam_search(padded(model, batch), beam_size=beam, bos_id=model.sp.bos_id(),
                                    eos_id=model.sp.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
-                                   length_penalty="pow", **options)
+                                   length_penalty="pow", precision=precision)
 
     return decode
 
@@ -229,7 +224,7 @@ def timed(benchmark, decode_all, batches, *, group: str, model: Model,
 @pytest.mark.parametrize("name", MODELS)
 def test_decoding_throughput(benchmark, name, precision, batch_size, system, workers, threads):
     """One row of a cell: `system` in one configuration (`workers` x `threads`)."""
-    if system == "fastattn" and precision not in FASTATTN_PRECISIONS:
+    if system == "fastattn" and precision not in decoding.PRECISIONS:
         pytest.skip(f"fastattn.decoding.PRECISIONS has no {precision}")
     model = load(name)
     sources = model.sources(batch_size * CORES * BATCHES_PER_WORKER[batch_size])
