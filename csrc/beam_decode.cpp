@@ -1,6 +1,7 @@
 #include "beam_decode.h"
 
 #include "beam_search.h"
+#include "bf16_linear.h"
 #include "decode_attention.h"
 #include "int8_linear.h"
 #include "packed_linear.h"
@@ -68,11 +69,13 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
   const int64_t B = memory_k[0].size(0), beam = finished_scores.size(1);
   const int64_t layers = static_cast<int64_t>(memory_k.size()), H = memory_k[0].size(1);
   const int64_t capacity = positions.size(0);
-  const bool int8 = !packed.empty() && packed[0].scalar_type() == at::kChar;
-  TORCH_CHECK(output_packed.size() == (int8 ? kInt8Parts : 0) ||
-                  (!int8 && output_packed.size() == 1),
+  const auto packed_type = packed.empty() ? at::kFloat : packed[0].scalar_type();
+  const bool int8 = packed_type == at::kChar, bf16 = packed_type == at::kBFloat16;
+  TORCH_CHECK(int8 ? output_packed.size() == kInt8Parts
+                   : bf16 ? output_packed.size() == 1 : output_packed.size() <= 1,
               "transformer_beam_search: output_packed must hold ",
-              int8 ? "the embedding's kInt8Parts int8 parts" : "nothing or the output's panels",
+              int8 ? "the embedding's kInt8Parts int8 parts"
+                   : bf16 ? "the embedding's bfloat16 panels" : "nothing or the output's panels",
               ", got ", output_packed.size(), " tensors");
   TORCH_CHECK(max_len.numel() == B && (B == 0 || max_len.max().item<int64_t>() <= capacity),
               "transformer_beam_search: positions has ", capacity,
@@ -95,12 +98,15 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
 
   auto logits = reuse(workspace.logits, {B * beam, output.size(0)}, cache_options);
   // int8: the output projection is the quantized embedding's first output.size(0) rows.
+  // int8 and bf16: the output projection is the packed embedding's first output.size(0) rows.
   at::Tensor output_panels, output_scales, output_sums;
-  if (int8) {
+  if (int8 || bf16) {
     const int64_t O = output.size(0);
-    output_panels = output_packed[kInt8Panels].narrow(0, 0, (O + 15) / 16);
-    output_scales = output_packed[kInt8Scales].narrow(0, 0, O);
-    output_sums = output_packed[kInt8Sums].narrow(0, 0, O);
+    output_panels = output_packed[0].narrow(0, 0, (O + 15) / 16);
+    if (int8) {
+      output_scales = output_packed[kInt8Scales].narrow(0, 0, O);
+      output_sums = output_packed[kInt8Sums].narrow(0, 0, O);
+    }
   }
   auto tokens = at::full({B, 1}, bos_id, long_options);
   auto scores = at::zeros({B}, finished_scores.options());
@@ -112,15 +118,19 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
     // As the Embedding module (float32) or fastattn.decoding (int8) computes it, op by op, so
     // that both paths agree bit for bit.
     const auto newest = tokens.select(1, length);
-    auto x = int8 ? dequantize_rows_cpu(output_packed[kInt8Panels], output_packed[kInt8Scales],
-                                        newest.contiguous(), embedding.size(1))
-                  : at::embedding(embedding, newest);
+    const int64_t d = embedding.size(1);
+    auto x = int8   ? dequantize_rows_cpu(output_packed[kInt8Panels],
+                                          output_packed[kInt8Scales], newest.contiguous(), d)
+             : bf16 ? unpack_rows_bf16_cpu(output_packed[0], newest.contiguous(), d)
+                    : at::embedding(embedding, newest);
     x = x.mul(embedding_scale).add(positions.select(0, length));
     x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, memory_k,
                          memory_v, memory_bias, row_sentences, packed, eps);
     auto logprobs = logits.narrow(0, 0, N);
     if (int8)
       log_softmax_linear_int8_out_cpu(x, output_panels, output_scales, output_sums, logprobs);
+    else if (bf16)
+      log_softmax_linear_bf16_out_cpu(x, output_panels, logprobs);
     else
       log_softmax_linear_out_cpu(x, output, output_packed.empty()
                                                 ? std::nullopt

@@ -15,7 +15,8 @@ namespace fastattn {
 // there) and projected by log_softmax_linear_cpu (output: the tied embedding's first rows, the
 // pieces the softmax ranges over; output_packed: nothing, or their panels), and
 // int8 decoding (packed int8): output_packed is quantize_linear_weight(embedding)'s kInt8Parts,
-// which give the embedding rows (dequantize_rows) and the projection (its first rows), and
+// which give the embedding rows (dequantize_rows) and the projection (its first rows); bf16
+// decoding (packed bfloat16) likewise with pack_linear_weight_bf16(embedding)'s panels; and
 // beam_search_step_cpu does the bookkeeping; the self-attention caches follow the surviving rows
 // through a history of cache rows.
 // memory_k[l] (B, H, S, Dk), memory_v[l] (B, H, S, Dv) and memory_bias (B, S) or none come from

@@ -6,6 +6,7 @@
 #include "attention.h"
 #include "beam_decode.h"
 #include "beam_search.h"
+#include "bf16_linear.h"
 #include "cross_entropy.h"
 #include "decode_attention.h"
 #include "int8_linear.h"
@@ -39,6 +40,11 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
   m.def(
       "log_softmax_linear_int8(Tensor x, Tensor panels, Tensor scales, Tensor sums) -> Tensor");
   m.def("int8_kernel() -> str", &fastattn::int8_kernel_cpu);
+  m.def("pack_linear_weight_bf16(Tensor weight) -> Tensor");
+  m.def("unpack_rows_bf16(Tensor panels, Tensor rows, int dim) -> Tensor");
+  m.def("linear_bf16(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");
+  m.def("log_softmax_linear_bf16(Tensor x, Tensor panels, int out_features) -> Tensor");
+  m.def("bf16_kernel() -> str", &fastattn::bf16_kernel_cpu);
   m.def("linear(Tensor x, Tensor weight, Tensor? packed, Tensor? bias) -> Tensor");
   m.def("log_softmax_linear(Tensor x, Tensor weight, Tensor? packed) -> Tensor");
   m.def(
@@ -72,6 +78,10 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("dequantize_rows", &fastattn::dequantize_rows_cpu);
   m.impl("linear_int8", &fastattn::linear_int8_cpu);
   m.impl("log_softmax_linear_int8", &fastattn::log_softmax_linear_int8_cpu);
+  m.impl("pack_linear_weight_bf16", &fastattn::pack_linear_weight_bf16_cpu);
+  m.impl("unpack_rows_bf16", &fastattn::unpack_rows_bf16_cpu);
+  m.impl("linear_bf16", &fastattn::linear_bf16_cpu);
+  m.impl("log_softmax_linear_bf16", &fastattn::log_softmax_linear_bf16_cpu);
   m.impl("linear", &fastattn::linear_cpu);
   m.impl("log_softmax_linear", &fastattn::log_softmax_linear_cpu);
   m.impl("cpu_layer_norm_residual_fwd", &fastattn::layer_norm_residual_fwd_cpu);

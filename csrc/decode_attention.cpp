@@ -3,6 +3,7 @@
 // step chains the post-norm layers with packed_linear.h's linear maps and these loops, in one call.
 #include "decode_attention.h"
 
+#include "bf16_linear.h"
 #include "decoder_layout.h"
 #include "int8_linear.h"
 #include "packed_linear.h"
@@ -349,16 +350,18 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
               "decoder_step: need ", kDecoderLayerSlots,
               " parameters and one memory_k, memory_v per layer for ", layers, " layers, got ",
               params.size(), ", ", memory_k.size(), ", ", memory_v.size());
-  // packed: nothing, float32 panels (one per linear map) or int8 (kInt8Parts per linear map).
-  const bool int8 = !packed.empty() && packed[0].scalar_type() == at::kChar;
+  // packed: nothing, float32 or bfloat16 panels (one per linear map) or int8 (kInt8Parts per
+  // linear map).
+  const auto packed_type = packed.empty() ? at::kFloat : packed[0].scalar_type();
+  const bool int8 = packed_type == at::kChar, bf16 = packed_type == at::kBFloat16;
   const int64_t per_linear = int8 ? kInt8Parts : 1;
   TORCH_CHECK(packed.empty() ||
                   static_cast<int64_t>(packed.size()) == kLinearsPerLayer * per_linear * layers,
               "decoder_step: packed must be empty or hold ", kLinearsPerLayer,
               " packed weights per layer (", kInt8Parts, " parts each for int8), got ",
               packed.size());
-  TORCH_CHECK(!int8 || x.scalar_type() == at::kFloat,
-              "decoder_step: int8 weights need float32 x, got ", x.scalar_type());
+  TORCH_CHECK(!(int8 || bf16) || x.scalar_type() == at::kFloat,
+              "decoder_step: ", packed_type, " weights need float32 x, got ", x.scalar_type());
   TORCH_CHECK(0 <= length && length < self_k.size(3), "decoder_step: position ", length,
               " is outside the caches' capacity ", self_k.size(3));
   TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble) &&
@@ -405,6 +408,7 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
       if (int8)
         return linear_int8_cpu(in, weights[kInt8Panels], weights[kInt8Scales],
                                weights[kInt8Sums], p[kWeight[i] + 1]);
+      if (bf16) return linear_bf16_cpu(in, *weights, p[kWeight[i] + 1], p[kWeight[i]].size(0));
       std::optional<at::Tensor> panels;
       if (!packed.empty()) panels = *weights;
       return linear_cpu(in, p[kWeight[i]], panels, p[kWeight[i] + 1]);

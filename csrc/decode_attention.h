@@ -29,7 +29,8 @@ at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const 
 // or none; sentences (N,) the sentence of each row, or none when rows come grouped by sentence,
 // N / B each. packed: empty, or per layer the 6 linear weights (qkv, out, cross q, cross out, W1,
 // W2) as pack_linear_weight panels, used while N is small, or as quantize_linear_weight's
-// kInt8Parts each (int8_linear.h: int8 decoding, float32 only). Returns the new x (N, d).
+// kInt8Parts each (int8_linear.h) or pack_linear_weight_bf16's panels (bf16_linear.h): int8 and
+// bf16 decoding, float32 x only. Returns the new x (N, d).
 at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at::Tensor &self_k,
                             const at::Tensor &self_v, const at::Tensor &history, int64_t length,
                             at::TensorList memory_k, at::TensorList memory_v,

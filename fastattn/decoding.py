@@ -4,10 +4,11 @@ decoder, the Python layers' step() and fastattn._C's decoder (fastattn::decoder_
 fastattn::transformer_beam_search, CPU only). native_decoder_supports is the one rule for that
 choice; a model it refuses is decoded in Python, to the same result.
 
-The native decoder computes in one of PRECISIONS: "fp32", or "int8", where the decoder's linear
+The native decoder computes in one of PRECISIONS: "fp32"; "int8", where the decoder's linear
 maps, the target embedding and the output projection use int8 weights (one scale per output
-feature) and int8 activations (one scale per row), with int32 sums (csrc/int8_linear.h); the
-encoder, attention, LayerNorm and the log-softmax stay float32.
+feature) and int8 activations (one scale per row), with int32 sums (csrc/int8_linear.h); or
+"bf16", the same maps with bfloat16 weights and activations and float32 sums
+(csrc/bf16_linear.h). The encoder, attention, LayerNorm and the log-softmax stay float32.
 """
 
 from __future__ import annotations
@@ -46,11 +47,11 @@ DECODER_LAYER_SLOTS = (
 _PACKED_LINEARS = ("self_attention.qkv", "self_attention.out", "cross_attention.q",
                    "cross_attention.out", "feed_forward.w1", "feed_forward.w2")
 
-PRECISIONS = ("fp32", "int8")
+PRECISIONS = ("fp32", "int8", "bf16")
 
 # For fastattn::decoder_step and transformer_beam_search: the decoder's weights by slot, the
-# linear maps' packed weights (float32 panels, or the kInt8Parts of each int8 one), and the
-# output projection's (its panels, or the int8 embedding's parts).
+# linear maps' packed weights (float32 or bfloat16 panels, or the kInt8Parts of each int8 one),
+# and the output projection's (its float32 panels, or the packed embedding's panels or parts).
 NativeWeights = tuple[list[Tensor], list[Tensor], list[Tensor]]
 
 
@@ -63,6 +64,7 @@ NATIVE_STEP_ATTENTION = _has_native_cpu_op("decode_attention")
 NATIVE_DECODER_STEP = _has_native_cpu_op("decoder_step")
 NATIVE_BEAM_SEARCH = _has_native_cpu_op("transformer_beam_search")
 NATIVE_INT8 = _has_native_cpu_op("linear_int8")
+NATIVE_BF16 = _has_native_cpu_op("linear_bf16")
 
 
 def check_precision(precision: str) -> None:
@@ -73,15 +75,15 @@ def check_precision(precision: str) -> None:
 def native_decoder_supports(model: Transformer, like: Tensor, precision: str = "fp32"
                             ) -> str | None:
     """None when fastattn._C's decoder computes `model`'s decoder for tensors like `like` (its
-    device and dtype) exactly as the Python layers do (in fp32), or in int8; otherwise the
-    reason it does not, and the caller decodes in Python (fp32) or refuses (int8, which only the
-    native decoder computes). The native decoder is the paper's: post-norm layers, ReLU, on CPU
-    in float32 or float64; int8 in float32."""
-    if precision == "int8":
-        if not NATIVE_INT8:
-            return "fastattn._C's int8 kernels are not built"
+    device and dtype) exactly as the Python layers do (fp32), or in int8 or bf16; otherwise the
+    reason it does not, and the caller decodes in Python (fp32) or refuses (int8 and bf16, which
+    only the native decoder computes). The native decoder is the paper's: post-norm layers,
+    ReLU, on CPU in float32 or float64; int8 and bf16 for float32 models."""
+    if precision != "fp32":
+        if not (NATIVE_INT8 if precision == "int8" else NATIVE_BF16):
+            return f"fastattn._C's {precision} kernels are not built"
         if like.dtype != torch.float32:
-            return f"dtype {like.dtype}: int8 decoding computes in float32"
+            return f"dtype {like.dtype}: {precision} decoding computes in float32"
     if not NATIVE_DECODER_STEP:
         return "fastattn._C's decoder_step is not built"
     if model.cfg.pre_norm:
@@ -97,8 +99,9 @@ def native_decoder_weights(model: Transformer, precision: str = "fp32") -> Nativ
     """For fastattn::decoder_step: the decoder's weights, DECODER_LAYER_SLOTS per layer, and,
     per layer, its linear maps' weights (_PACKED_LINEARS) and the output projection's in the
     native layouts: for float32 the few-row panels (fastattn::pack_linear_weight), for int8 the
-    quantized weights (fastattn::quantize_linear_weight; the output's are the quantized
-    embedding's, which the target embedding reads too). Built once per precision and again only
+    quantized weights (fastattn::quantize_linear_weight), for bf16 the bfloat16 panels
+    (fastattn::pack_linear_weight_bf16); in int8 and bf16 the output's are the packed
+    embedding's, which the target embedding reads too. Built once per precision and again only
     after a weight changed: in-place updates bump a tensor's _version, and Transformer.train()
     drops the copies for the updates that do not (fused optimisers)."""
     key = tuple((p.data_ptr(), p._version) for p in model.parameters())
@@ -113,6 +116,10 @@ def native_decoder_weights(model: Transformer, precision: str = "fp32") -> Nativ
         quantize = torch.ops.fastattn.quantize_linear_weight
         packed = [part for weight in linears for part in quantize(weight)]
         output = list(quantize(model.embedding.weight.detach()))
+    elif precision == "bf16":
+        pack = torch.ops.fastattn.pack_linear_weight_bf16
+        packed = [pack(weight) for weight in linears]
+        output = [pack(model.embedding.weight.detach())]
     elif model.embedding.weight.dtype == torch.float32:
         pack = torch.ops.fastattn.pack_linear_weight
         packed = [pack(weight) for weight in linears]
@@ -124,13 +131,17 @@ def native_decoder_weights(model: Transformer, precision: str = "fp32") -> Nativ
 
 def native_embedding(model: Transformer, tokens: Tensor, state: DecodingState) -> Tensor:
     """The embedded newest tokens (N,) at position state.length, as model.embedding computes
-    them (float32) or from the int8 embedding (int8): transformer_beam_search's op sequence."""
-    if state.precision != "int8":
+    them (fp32) or from the packed embedding (int8, bf16): transformer_beam_search's op
+    sequence."""
+    if state.precision == "fp32":
         return model.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
     if state.native_weights is None:
         state.native_weights = native_decoder_weights(model, state.precision)
-    panels, scales, _ = state.native_weights[2]
-    x = torch.ops.fastattn.dequantize_rows(panels, scales, tokens, model.cfg.d_model)
+    output = state.native_weights[2]
+    if state.precision == "int8":
+        x = torch.ops.fastattn.dequantize_rows(output[0], output[1], tokens, model.cfg.d_model)
+    else:
+        x = torch.ops.fastattn.unpack_rows_bf16(output[0], tokens, model.cfg.d_model)
     return x.mul(model.embedding.scale).add(model.embedding.positions(state.length, 1)[0])
 
 
@@ -146,11 +157,13 @@ def native_decode_step(model: Transformer, x: Tensor, state: DecodingState) -> T
         state.memory_k, state.memory_v, _flat_memory_bias(state), state.sentences, packed,
         model.decoder.layers[0].feed_forward_norm.norm.eps)
     state.length += 1
-    if state.precision == "int8":  # the output projection is the embedding's first rows
+    rows = model.cfg.output_size  # int8, bf16: the output projection is the embedding's first
+    if state.precision == "int8":
         panels, scales, sums = output
-        rows = model.cfg.output_size
         return torch.ops.fastattn.log_softmax_linear_int8(
             x, panels[: -(-rows // 16)], scales[:rows], sums[:rows])
+    if state.precision == "bf16":
+        return torch.ops.fastattn.log_softmax_linear_bf16(x, output[0][: -(-rows // 16)], rows)
     return torch.ops.fastattn.log_softmax_linear(x, model.output_weight.detach(),
                                                  output[0] if output else None).float()
 

@@ -532,9 +532,9 @@ class Transformer(nn.Module):
         values of every decoder layer are computed here, once per sentence (not per beam).
         `capacity` is the number of positions preallocated per row (default S + 50, the paper's
         maximum output length); the caches grow when a longer output needs it. `precision`:
-        one of fastattn.decoding.PRECISIONS; "int8" needs the native CPU decoder (a model or
-        device it does not cover raises ValueError). Decoding is inference: no dropout, no
-        gradients."""
+        one of fastattn.decoding.PRECISIONS; "int8" and "bf16" need the native CPU decoder (a
+        model or device it does not cover raises ValueError). Decoding is inference: no
+        dropout, no gradients."""
         if self.training:
             raise RuntimeError("decoding is inference: call model.eval() first")
         decoding.check_precision(precision)

@@ -1,19 +1,17 @@
-"""int8 decoding (csrc/int8_linear.h): the quantized linear ops against a PyTorch reference of
-the same quantization (exact int32 sums, so agreement to float rounding), against float32
-(the quantization error), the scalar fallback against the VNNI kernel bit for bit, and
-Transformer.beam_search / decode_step with precision="int8"."""
+"""int8 decoding's ops (csrc/int8_linear.h) against a PyTorch reference of the same
+quantization (exact int32 sums, so agreement to float rounding) and against float32 (the
+quantization error), and the scalar fallback against the VNNI kernel bit for bit. The decoder in
+int8: tests/test_decoding_precision.py."""
 
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
 
-import fastattn.decoding
+import fastattn.decoding  # noqa: F401 - loads fastattn._C, which registers the ops
 from fastattn.decoding import NATIVE_INT8
-from fastattn.model import Transformer, TransformerConfig
 
 pytestmark = pytest.mark.skipif(not NATIVE_INT8, reason="fastattn._C is not built")
 ops = torch.ops.fastattn if NATIVE_INT8 else None
@@ -129,80 +127,3 @@ def test_scalar_kernel_computes_what_vnni_computes(tmp_path):
     assert torch.equal(ops.linear_int8(x, *parts, None), plain)
     assert torch.equal(ops.linear_int8(x, *parts, b), biased)
     assert torch.equal(ops.log_softmax_linear_int8(x, *parts), log_softmax)
-
-
-# -- the model ------------------------------------------------------------------------------
-
-TINY = TransformerConfig(vocab_size=97, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=48,
-                         heads=4, dropout=0.0, pad_id=0)
-
-
-def make_model(cfg=TINY):
-    torch.manual_seed(0)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.2)
-    return model
-
-
-def source():
-    src = torch.randint(3, TINY.vocab_size, (5, 9), generator=torch.Generator().manual_seed(1))
-    for i, n in enumerate([9, 1, 4, 7, 2]):
-        src[i, n:] = 0
-    return src
-
-
-@pytest.mark.parametrize("output_vocab_size", [None, 61])
-def test_int8_beam_search_native_equals_search_over_decode_step(output_vocab_size, monkeypatch):
-    """The one native int8 search and fastattn.beam_search over int8 decode steps (what an
-    ensemble runs) give the same tokens and scores, bit for bit, and int8 is not float32."""
-    model = make_model(replace(TINY, output_vocab_size=output_vocab_size))
-    options = dict(beam_size=4, nbest=2, bos_id=1, eos_id=2, max_len=10, alpha=0.6)
-
-    def search(**extra):
-        return [[(h.tokens, h.score) for h in hyps]
-                for hyps in model.beam_search(source(), **options, **extra)]
-
-    native = search(precision="int8")
-    fp32 = search()
-    monkeypatch.setattr(fastattn.decoding, "NATIVE_BEAM_SEARCH", False)
-    assert search(precision="int8") == native
-    assert native != fp32  # the int8 path ran: scores differ in their last digits at least
-    close = [abs(a[0][1] - b[0][1]) for a, b in zip(native, fp32, strict=True)]
-    assert max(close) < 0.5
-
-
-def test_int8_decode_step_is_close_to_float32():
-    model = make_model()
-    src = source()
-    states = {p: model.start_decoding(src, precision=p) for p in ("fp32", "int8")}
-    tokens = torch.full((5,), 1)
-    for _ in range(4):
-        out = {p: model.decode_step(tokens, s) for p, s in states.items()}
-        assert (out["int8"].exp() - out["fp32"].exp()).abs().max() < 0.02
-        tokens = out["fp32"].argmax(-1)
-
-
-def test_int8_weights_are_built_once_and_follow_the_weights():
-    model = make_model()
-    first = fastattn.decoding.native_decoder_weights(model, "int8")
-    assert fastattn.decoding.native_decoder_weights(model, "int8") is first
-    assert fastattn.decoding.native_decoder_weights(model, "fp32") is not first
-    with torch.no_grad():
-        model.decoder.layers[0].feed_forward.w1.weight.mul_(2)
-    assert fastattn.decoding.native_decoder_weights(model, "int8") is not first
-
-
-def test_precision_errors():
-    model = make_model()
-    with pytest.raises(ValueError, match="precision must be one of fp32, int8, got 'fp16'"):
-        model.beam_search(source(), bos_id=1, eos_id=2, max_len=5, precision="fp16")
-    pre_norm = make_model(replace(TINY, pre_norm=True))
-    with pytest.raises(ValueError, match="precision int8 needs fastattn._C's CPU decoder: "
-                                         "pre-norm"):
-        pre_norm.start_decoding(source(), precision="int8")
-    with pytest.raises(ValueError, match="int8 decoding computes in float32"):
-        make_model().double().beam_search(source(), bos_id=1, eos_id=2, max_len=5,
-                                          precision="int8")

@@ -1,0 +1,279 @@
+#include "bf16_linear.h"
+
+#include "row_lse.h"
+#include "vector_math.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+namespace fastattn {
+
+namespace {
+
+constexpr int64_t kPair = 2;                 // inputs per float32 lane of vdpbf16ps
+constexpr int64_t kVector = kPanel * kPair;  // bfloat16s of one panel row: 16 outputs × 2 inputs
+
+// float32 -> bfloat16 bits, rounded to nearest even; a NaN stays a NaN.
+FASTATTN_INLINE uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  if (std::isnan(x)) return 0x7fc0;
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+FASTATTN_INLINE float from_bf16(uint16_t h) {
+  const uint32_t bits = uint32_t{h} << 16;
+  float x;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// N rows of bfloat16 x (row stride xs, D2 pairs each) against the panels, into out (N, O).
+struct Bf16Product {
+  const uint16_t *x;
+  int64_t xs, N, D2, O;
+  const uint16_t *panels;
+  const float *bias;
+  float *out;
+};
+
+// out[n, 16p : 16p + 16] = acc + bias, the last panel's first columns only; with lse, the
+// values join row n's running log-sum-exp.
+FASTATTN_INLINE void finish(const Bf16Product &a, int64_t n, int64_t p, const float *acc,
+                            RowLse *lse) {
+  const int64_t o = p * kPanel, columns = std::min(kPanel, a.O - o);
+  float *out = a.out + n * a.O + o;
+  if (columns == kPanel) {
+    v16 y = load16(acc);
+    if (a.bias) y += load16(a.bias + o);
+    std::memcpy(out, &y, sizeof y);
+    if (lse) lse->add16(y);
+    return;
+  }
+  float y[kPanel];
+  for (int64_t c = 0; c < columns; ++c) y[c] = acc[c] + (a.bias ? a.bias[o + c] : 0.f);
+  std::memcpy(out, y, columns * sizeof(float));
+  if (lse) lse->add(y, columns);
+}
+
+// The fallback of CPUs without AVX-512 BF16: vdpbf16ps's sums in its order (the odd input of a
+// pair first; products of two bfloat16s are exact in float32). Not loop-vectorised: GCC 12.2's
+// loop vectoriser miscompiles these sums at -O3 (six products of ones summed to 7), written
+// with the loops either way round.
+FASTATTN_CLONES __attribute__((optimize("no-tree-loop-vectorize"))) void panels_scalar(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t *panel = a.panels + p * a.D2 * kVector;
+    for (int64_t n = 0; n < a.N; ++n) {
+      const uint16_t *x = a.x + n * a.xs;
+      float acc[kPanel];
+      for (int64_t c = 0; c < kPanel; ++c) {
+        float sum = 0;
+        for (int64_t k = 0; k < a.D2; ++k) {
+          const uint16_t *w = panel + k * kVector + c * kPair;
+          sum += from_bf16(x[k * kPair + 1]) * from_bf16(w[1]);
+          sum += from_bf16(x[k * kPair]) * from_bf16(w[0]);
+        }
+        acc[c] = sum;
+      }
+      finish(a, n, p, acc, lse ? lse + n : nullptr);
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define FASTATTN_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
+#define FASTATTN_BF16_INLINE FASTATTN_BF16 inline __attribute__((always_inline))
+
+// acc += the pairwise products of x and w in each float32 lane. As asm for the reason
+// int8_linear.cpp's dpbusd gives: GCC 12 moves the intrinsic's accumulator around each one.
+FASTATTN_BF16_INLINE __m512 dpbf16(__m512 acc, __m512 x, __m512 w) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
+// Rows [n, n + R) against panels [p, p + P): R·P accumulators, one broadcast of a row's pair
+// and one vdpbf16ps per panel (32 multiply-adds) per step, each weight vector loaded once.
+template <int R, int P>
+FASTATTN_BF16_INLINE void block_bf16(const Bf16Product &a, int64_t n, int64_t p, RowLse *lse) {
+  __m512 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int q = 0; q < P; ++q) acc[r][q] = _mm512_setzero_ps();
+  const uint16_t *panel = a.panels + p * a.D2 * kVector;
+  const uint16_t *x = a.x + n * a.xs;
+  for (int64_t k = 0; k < a.D2; ++k) {
+    __m512 w[P];
+    for (int q = 0; q < P; ++q) w[q] = _mm512_loadu_ps(panel + (q * a.D2 + k) * kVector);
+    for (int r = 0; r < R; ++r) {
+      float pair;
+      std::memcpy(&pair, x + r * a.xs + k * kPair, sizeof pair);
+      const __m512 xr = _mm512_set1_ps(pair);
+      for (int q = 0; q < P; ++q) acc[r][q] = dpbf16(acc[r][q], xr, w[q]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int q = 0; q < P; ++q) {
+      float sums[kPanel];
+      _mm512_storeu_ps(sums, acc[r][q]);
+      finish(a, n + r, p + q, sums, lse ? lse + n + r : nullptr);
+    }
+  }
+}
+
+template <int P>
+FASTATTN_BF16_INLINE void rows_bf16(const Bf16Product &a, int64_t p, RowLse *lse) {
+  int64_t n = 0;
+  for (; n + 12 <= a.N; n += 12) block_bf16<12, P>(a, n, p, lse);
+  for (; n + 6 <= a.N; n += 6) block_bf16<6, P>(a, n, p, lse);
+  switch (a.N - n) {
+    case 5: block_bf16<5, P>(a, n, p, lse); break;
+    case 4: block_bf16<4, P>(a, n, p, lse); break;
+    case 3: block_bf16<3, P>(a, n, p, lse); break;
+    case 2: block_bf16<2, P>(a, n, p, lse); break;
+    case 1: block_bf16<1, P>(a, n, p, lse); break;
+  }
+}
+
+FASTATTN_BF16 void panels_bf16(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  int64_t p = p0;
+  for (; p + 2 <= p1; p += 2) rows_bf16<2>(a, p, lse);
+  for (; p < p1; ++p) rows_bf16<1>(a, p, lse);
+}
+#endif
+
+bool use_bf16_instructions() {
+  static const bool bf16 = [] {
+    const char *capability = std::getenv("ATEN_CPU_CAPABILITY");
+    if (capability && std::string(capability) != "avx512") return false;
+#if defined(__x86_64__) && defined(__GNUC__)
+    return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
+#else
+    return false;
+#endif
+  }();
+  return bf16;
+}
+
+void run_panels(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (use_bf16_instructions()) return panels_bf16(a, p0, p1, lse);
+#endif
+  panels_scalar(a, p0, p1, lse);
+}
+
+void check_packed(const at::Tensor &x, const at::Tensor &panels, int64_t O, const char *op) {
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.is_contiguous() && panels.size(0) == (O + kPanel - 1) / kPanel &&
+                  panels.size(2) == kPanel && panels.size(3) == kPair,
+              op, ": panels must be pack_linear_weight_bf16's (ceil(O / 16), ceil(D / 2), 16, 2) "
+              "bfloat16 for O = ", O, ", got ", panels.sizes(), " ", panels.scalar_type());
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat &&
+                  (x.size(1) + kPair - 1) / kPair == panels.size(1),
+              op, ": x must be float32 (N, D) with ceil(D / 2) = ", panels.size(1), ", got ",
+              x.sizes(), " ", x.scalar_type());
+}
+
+// x rounded row by row to bfloat16 pairs into `rows` (N rows of D2 · 2, zero past D).
+Bf16Product round_input(const at::Tensor &x, const at::Tensor &panels, int64_t O,
+                        std::vector<uint16_t> &rows) {
+  const int64_t N = x.size(0), D = x.size(1), D2 = panels.size(1);
+  const auto xc = x.contiguous();
+  const float *xp = xc.data_ptr<float>();
+  rows.assign(N * D2 * kPair, 0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t d = 0; d < D; ++d) rows[n * D2 * kPair + d] = to_bf16(xp[n * D + d]);
+  const auto *pp = reinterpret_cast<const uint16_t *>(panels.data_ptr<at::BFloat16>());
+  return Bf16Product{rows.data(), D2 * kPair, N, D2, O, pp, nullptr, nullptr};
+}
+
+// Threads only pay off with some work per task: about 128k multiply-adds.
+int64_t panel_grain(int64_t N, int64_t D2) {
+  return std::max<int64_t>(1, 131072 / std::max<int64_t>(1, N * D2 * kVector));
+}
+
+}  // namespace
+
+at::Tensor pack_linear_weight_bf16_cpu(const at::Tensor &weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
+              "pack_linear_weight_bf16: weight must be a float32 (out_features, in_features) "
+              "tensor, got ", weight.sizes(), " ", weight.scalar_type());
+  const int64_t O = weight.size(0), D = weight.size(1), D2 = (D + kPair - 1) / kPair;
+  const int64_t count = (O + kPanel - 1) / kPanel;
+  auto padded = at::zeros({count * kPanel, D2 * kPair}, weight.options());
+  padded.narrow(0, 0, O).narrow(1, 0, D).copy_(weight);
+  // (count, 16, D2, 2) -> (count, D2, 16, 2); ATen's float -> bfloat16 rounds to nearest even.
+  return padded.view({count, kPanel, D2, kPair}).transpose(1, 2).contiguous().to(at::kBFloat16);
+}
+
+at::Tensor unpack_rows_bf16_cpu(const at::Tensor &panels, const at::Tensor &rows, int64_t D) {
+  TORCH_CHECK(panels.dim() == 4 && panels.scalar_type() == at::kBFloat16 &&
+                  panels.size(2) == kPanel && panels.size(3) == kPair && 0 < D &&
+                  D <= panels.size(1) * kPair,
+              "unpack_rows_bf16: need pack_linear_weight_bf16's panels and 0 < D <= ",
+              panels.size(1) * kPair, ", got ", panels.sizes(), ", D ", D);
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong,
+              "unpack_rows_bf16: rows must be an int64 (N) tensor, got ", rows.sizes(), " ",
+              rows.scalar_type());
+  const int64_t O = panels.size(0) * kPanel;
+  const auto rc = rows.contiguous();
+  const int64_t *rp = rc.data_ptr<int64_t>();
+  for (int64_t n = 0; n < rows.size(0); ++n)
+    TORCH_CHECK(0 <= rp[n] && rp[n] < O, "unpack_rows_bf16: row ", rp[n], " is outside 0..",
+                O - 1);
+  // panels[row / 16, :, row % 16, :] is the row's D2 pairs, in order.
+  const auto chunk = rc.div(kPanel, "floor"), lane = rc.remainder(kPanel);
+  using at::indexing::Slice;
+  return panels.index({chunk, Slice(), lane}).flatten(1).narrow(1, 0, D).to(at::kFloat);
+}
+
+at::Tensor linear_bf16_cpu(const at::Tensor &x, const at::Tensor &panels,
+                           const std::optional<at::Tensor> &bias, int64_t out_features) {
+  check_packed(x, panels, out_features, "linear_bf16");
+  TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out_features &&
+                        bias->scalar_type() == at::kFloat && bias->is_contiguous()),
+              "linear_bf16: bias must be a contiguous float32 (", out_features, ") tensor");
+  std::vector<uint16_t> rows;
+  auto product = round_input(x, panels, out_features, rows);
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  product.bias = bias ? bias->data_ptr<float>() : nullptr;
+  product.out = out.data_ptr<float>();
+  at::parallel_for(0, panels.size(0), panel_grain(product.N, product.D2),
+                   [&](int64_t p0, int64_t p1) { run_panels(product, p0, p1, nullptr); });
+  return out;
+}
+
+void log_softmax_linear_bf16_out_cpu(const at::Tensor &x, const at::Tensor &panels,
+                                     at::Tensor &out) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == at::kFloat,
+              "log_softmax_linear_bf16: out must be a contiguous float32 (", x.size(0),
+              ", O) tensor, got ", out.sizes(), " ", out.scalar_type());
+  check_packed(x, panels, out.size(1), "log_softmax_linear_bf16");
+  std::vector<uint16_t> rows;
+  auto product = round_input(x, panels, out.size(1), rows);
+  product.out = out.data_ptr<float>();
+  log_softmax_panels(product.N, product.O, panels.size(0), panel_grain(product.N, product.D2),
+                     product.out, [&](int64_t p0, int64_t p1, RowLse *lse) {
+                       run_panels(product, p0, p1, lse);
+                     });
+}
+
+at::Tensor log_softmax_linear_bf16_cpu(const at::Tensor &x, const at::Tensor &panels,
+                                       int64_t out_features) {
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  log_softmax_linear_bf16_out_cpu(x, panels, out);
+  return out;
+}
+
+std::string bf16_kernel_cpu() { return use_bf16_instructions() ? "avx512-bf16" : "scalar"; }
+
+}  // namespace fastattn

@@ -1,0 +1,113 @@
+"""bf16 decoding's ops (csrc/bf16_linear.h) against float64 products of the bfloat16-rounded
+operands (the kernel sums in float32), against float32 (the rounding error), and the scalar
+fallback against the AVX-512 BF16 kernel. The decoder in bf16: tests/test_decoding_precision.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastattn.decoding  # noqa: F401 - loads fastattn._C, which registers the ops
+from fastattn.decoding import NATIVE_BF16
+
+pytestmark = pytest.mark.skipif(not NATIVE_BF16, reason="fastattn._C is not built")
+ops = torch.ops.fastattn if NATIVE_BF16 else None
+
+
+def case(rows, inputs, outputs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, inputs, generator=g), torch.randn(outputs, inputs, generator=g),
+            torch.randn(outputs, generator=g))
+
+
+def rounded_product(x, w, bias=None):
+    """x · wᵀ of the bfloat16-rounded operands in float64 (+ bias)."""
+    y = x.bfloat16().double() @ w.bfloat16().double().T
+    return y if bias is None else y + bias.double()
+
+
+SHAPES = [(1, 17, 33), (5, 64, 16), (6, 97, 100), (13, 1, 17), (37, 128, 97), (256, 512, 2048)]
+
+
+@pytest.mark.parametrize(("rows", "inputs", "outputs"), SHAPES)
+def test_pack_linear_weight_bf16_layout(rows, inputs, outputs):
+    _, w, _ = case(rows, inputs, outputs)
+    panels = ops.pack_linear_weight_bf16(w)
+    assert panels.shape == (-(-outputs // 16), -(-inputs // 2), 16, 2)
+    assert panels.dtype == torch.bfloat16
+    # bf16(w[o, d]) = panels[o // 16, d // 2, o % 16, d % 2], zero past O and D.
+    unpacked = panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * 16, -1)
+    assert torch.equal(unpacked[:outputs, :inputs], w.bfloat16())
+    assert not unpacked[outputs:].float().any() and not unpacked[:, inputs:].float().any()
+    read = torch.tensor([0, outputs - 1, outputs // 2])
+    assert torch.equal(ops.unpack_rows_bf16(panels, read, inputs), w.bfloat16()[read].float())
+
+
+@pytest.mark.parametrize(("rows", "inputs", "outputs"), SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_bf16_matches_the_rounded_product_and_float32(rows, inputs, outputs, with_bias):
+    x, w, bias = case(rows, inputs, outputs)
+    bias = bias if with_bias else None
+    out = ops.linear_bf16(x, ops.pack_linear_weight_bf16(w), bias, outputs)
+    expected = rounded_product(x, w, bias)
+    # float32 sums of `inputs` exact products: a few ulps of the sum of magnitudes.
+    magnitude = x.bfloat16().double().abs() @ w.bfloat16().double().abs().T
+    assert ((out.double() - expected).abs() <= 1e-6 * magnitude + 1e-6).all()
+    exact = torch.nn.functional.linear(x.double(), w.double(),
+                                       None if bias is None else bias.double())
+    # Two roundings to 8 significant bits: under a percent of the largest output.
+    assert (out.double() - exact).abs().max() <= 0.01 * exact.abs().max()
+
+
+@pytest.mark.parametrize(("rows", "outputs"), [(1, 37), (4, 16), (17, 1000), (33, 8000)])
+def test_log_softmax_linear_bf16(rows, outputs):
+    x, w, _ = case(rows, 64, outputs, seed=1)
+    out = ops.log_softmax_linear_bf16(x, ops.pack_linear_weight_bf16(w), outputs)
+    expected = torch.log_softmax(rounded_product(x, w), -1)
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=3e-5)
+
+
+def test_bf16_edges():
+    x, w, bias = case(3, 20, 40)
+    x[2, 5] = float("nan")
+    panels = ops.pack_linear_weight_bf16(w)
+    out = ops.linear_bf16(x, panels, bias, 40)
+    assert out[2].isnan().all() and not out[:2].isnan().any()
+    assert ops.linear_bf16(x[:0], panels, bias, 40).shape == (0, 40)
+    with pytest.raises(RuntimeError, match=r"ceil\(D / 2\) = 10"):
+        ops.linear_bf16(torch.randn(3, 24), panels, None, 40)
+    with pytest.raises(RuntimeError, match="for O = 49"):  # 4 panels, not 3
+        ops.linear_bf16(x, panels, None, 49)
+    with pytest.raises(RuntimeError, match="row 48 is outside 0..47"):
+        ops.unpack_rows_bf16(panels, torch.tensor([48]), 20)
+
+
+SCALAR_RUN = """
+import sys, torch, fastattn.decoding
+ops = torch.ops.fastattn
+x, w, b = torch.load(sys.argv[1])
+panels = ops.pack_linear_weight_bf16(w)
+outs = [ops.linear_bf16(x, panels, b, w.shape[0]),
+        ops.log_softmax_linear_bf16(x, panels, w.shape[0])]
+torch.save((ops.bf16_kernel(), outs), sys.argv[1])
+"""
+
+
+def test_scalar_kernel_computes_what_avx512_bf16_computes(tmp_path):
+    """ATEN_CPU_CAPABILITY=default selects the scalar loop, which sums as vdpbf16ps does; the
+    instruction flushes subnormal values to zero and the loop does not, so the two agree to
+    float32 rounding, not necessarily bit for bit. The inputs travel by file: ATen's own kernels,
+    randn's included, round differently under that setting."""
+    x, w, b = case(37, 97, 100)
+    path = tmp_path / "io.pt"
+    torch.save((x, w, b), path)
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
+    subprocess.run([sys.executable, "-c", SCALAR_RUN, str(path)], env=env, check=True)
+    kernel, (linear, log_softmax) = torch.load(path)
+    assert kernel == "scalar"
+    panels = ops.pack_linear_weight_bf16(w)
+    torch.testing.assert_close(ops.linear_bf16(x, panels, b, 100), linear, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ops.log_softmax_linear_bf16(x, panels, 100), log_softmax,
+                               rtol=1e-6, atol=1e-6)

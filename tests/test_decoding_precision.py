@@ -1,0 +1,94 @@
+"""The native decoder in int8 and bf16 (fastattn.decoding.PRECISIONS): Transformer.beam_search's
+one native call against fastattn.beam_search over decode_step (what an ensemble runs), the
+distributions against float32's, the weights built once per precision, and the errors."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import fastattn.decoding
+from fastattn.decoding import NATIVE_BF16, NATIVE_INT8
+from fastattn.model import Transformer, TransformerConfig
+
+pytestmark = pytest.mark.skipif(not (NATIVE_INT8 and NATIVE_BF16),
+                                reason="fastattn._C is not built")
+LOW = ["int8", "bf16"]
+TINY = TransformerConfig(vocab_size=97, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=48,
+                         heads=4, dropout=0.0, pad_id=0)
+
+
+def make_model(cfg=TINY):
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+def source():
+    src = torch.randint(3, TINY.vocab_size, (5, 9), generator=torch.Generator().manual_seed(1))
+    for i, n in enumerate([9, 1, 4, 7, 2]):
+        src[i, n:] = 0
+    return src
+
+
+@pytest.mark.parametrize("precision", LOW)
+@pytest.mark.parametrize("output_vocab_size", [None, 61])
+def test_native_search_equals_search_over_decode_step(precision, output_vocab_size,
+                                                      monkeypatch):
+    """The one native search and fastattn.beam_search over decode steps give the same tokens
+    and scores, bit for bit, in int8 and bf16; and the precision really changes the numbers."""
+    model = make_model(replace(TINY, output_vocab_size=output_vocab_size))
+    options = dict(beam_size=4, nbest=2, bos_id=1, eos_id=2, max_len=10, alpha=0.6)
+
+    def search(**extra):
+        return [[(h.tokens, h.score) for h in hyps]
+                for hyps in model.beam_search(source(), **options, **extra)]
+
+    native = search(precision=precision)
+    fp32 = search()
+    monkeypatch.setattr(fastattn.decoding, "NATIVE_BEAM_SEARCH", False)
+    assert search(precision=precision) == native
+    assert native != fp32  # scores differ in their last digits at least
+    assert max(abs(a[0][1] - b[0][1]) for a, b in zip(native, fp32, strict=True)) < 0.5
+    assert max(max(h[0]) for hyps in native for h in hyps) < model.cfg.output_size
+
+
+@pytest.mark.parametrize(("precision", "bound"), [("int8", 0.02), ("bf16", 0.005)])
+def test_decode_step_is_close_to_float32(precision, bound):
+    model = make_model()
+    src = source()
+    states = {p: model.start_decoding(src, precision=p) for p in ("fp32", precision)}
+    tokens = torch.full((5,), 1)
+    for _ in range(4):
+        out = {p: model.decode_step(tokens, s) for p, s in states.items()}
+        assert (out[precision].exp() - out["fp32"].exp()).abs().max() < bound
+        tokens = out["fp32"].argmax(-1)
+
+
+@pytest.mark.parametrize("precision", LOW)
+def test_weights_are_built_once_per_precision_and_follow_the_weights(precision):
+    model = make_model()
+    first = fastattn.decoding.native_decoder_weights(model, precision)
+    assert fastattn.decoding.native_decoder_weights(model, precision) is first
+    assert fastattn.decoding.native_decoder_weights(model, "fp32") is not first
+    with torch.no_grad():
+        model.decoder.layers[0].feed_forward.w1.weight.mul_(2)
+    assert fastattn.decoding.native_decoder_weights(model, precision) is not first
+
+
+def test_precision_errors():
+    model = make_model()
+    with pytest.raises(ValueError, match="precision must be one of fp32, int8, bf16, got 'fp16'"):
+        model.beam_search(source(), bos_id=1, eos_id=2, max_len=5, precision="fp16")
+    pre_norm = make_model(replace(TINY, pre_norm=True))
+    for precision in LOW:
+        with pytest.raises(ValueError, match=f"precision {precision} needs fastattn._C's CPU "
+                                             "decoder: pre-norm"):
+            pre_norm.start_decoding(source(), precision=precision)
+    with pytest.raises(ValueError, match="int8 decoding computes in float32"):
+        make_model().double().beam_search(source(), bos_id=1, eos_id=2, max_len=5,
+                                          precision="int8")
