@@ -73,11 +73,12 @@ def _extension() -> str:
 
 
 def _decoding() -> str:
-    """The native decoder's precisions and the int8 dot product it runs here."""
+    """The native decoder's precisions and the int8 and bf16 dot products it runs here."""
     if not decoding.NATIVE_DECODER_STEP:
         return "python (fastattn._C not built): fp32"
-    kernel = torch.ops.fastattn.int8_kernel() if decoding.NATIVE_INT8 else "not built"
-    return f"native: {', '.join(decoding.PRECISIONS)}; int8 kernel {kernel}"
+    int8 = torch.ops.fastattn.int8_kernel() if decoding.NATIVE_INT8 else "not built"
+    bf16 = torch.ops.fastattn.bf16_kernel() if decoding.NATIVE_BF16 else "not built"
+    return f"native: {', '.join(decoding.PRECISIONS)}; int8 kernel {int8}, bf16 kernel {bf16}"
 
 
 def _triton() -> tuple[str, str]:

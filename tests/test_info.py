@@ -20,8 +20,9 @@ def test_info_prints_the_dispatch_table_implementation_returns():
     for field in ("python", "torch", "triton", "fastattn._C", "backend", "cpu features", "gpu",
                   "cpu decoding"):
         assert field in head, field
-    if decoding.NATIVE_INT8:  # the int8 kernel this machine runs, as the extension reports it
-        assert f"int8 kernel {torch.ops.fastattn.int8_kernel()}" in head
+    if decoding.NATIVE_INT8:  # the kernels this machine runs, as the extension reports them
+        assert f"int8 kernel {torch.ops.fastattn.int8_kernel()}, bf16 kernel " \
+               f"{torch.ops.fastattn.bf16_kernel()}" in head
     rows = {tuple(line.split()[:4]): line.split(None, 4)[4] for line in table.splitlines()[1:]}
     assert len(rows) == (len(OPS) + len(VARIANTS)) * 2 * len(DTYPES) * len(GRAD_MODES)
     for (label, device, dtype, mode), impl in rows.items():
