@@ -36,18 +36,19 @@ import torch
 T = TypeVar("T")
 R = TypeVar("R")
 
-SMALL_BATCH = 32
-"""choose's rule: a batch of fewer sentences decodes fastest on one-thread workers, one per
-core; a larger one on one worker with every core (measurements in docs/api.md, "Workers and
-threads")."""
-
 
 def choose(batch_size: int, cores: int) -> tuple[int, int]:
     """(workers, threads per worker) for batches of `batch_size` sentences on `cores` cores: the
-    default rule, from scripts/measure_workers.py's measurements."""
+    default rule, one-thread workers, one per core. Measured (scripts/measure_workers.py; the
+    numbers in docs/api.md, "Workers and threads") on 2 cores at batch 64, 16 and 1, fp32 and
+    int8: one-thread workers decoded at least as many sentences per second as one worker with
+    both cores at every batch size, up to twice as many at batch 1 (a lone sentence's steps
+    are too small to split) and in int8. So batch_size changes nothing on the CPU measured;
+    more cores were not measured. A caller with fewer batches than cores gives each worker
+    more threads (Translator does)."""
     if batch_size < 1 or cores < 1:
         raise ValueError(f"batch_size and cores must be >= 1, got {batch_size}, {cores}")
-    return (cores, 1) if batch_size < SMALL_BATCH else (1, cores)
+    return cores, 1
 
 
 class Workers:

@@ -9,8 +9,10 @@ Models, random (the throughput of a trained one is the same at the same output l
 each, with a SentencePiece model of Multi30k's training text, as benchmarks/bench_decoding.py
 builds them. Sources: the first --sentences of test2016 (English), consecutive batches of
 --batches sentences; every sentence decodes to MAX_LEN tokens (an untrained model rarely ends
-one earlier), so each configuration does the same work. Each cell is the best of --repeats
-runs. Prints a Markdown table.
+one earlier), so each configuration does the same work. The configurations take turns, --repeats
+rounds, and each cell is the best of its runs, with (in brackets) the cores that other processes
+kept busy meanwhile (from /proc/stat, less this process's CPU time): on a shared machine a cell
+with others near 0 is the one to trust. Prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -44,10 +46,19 @@ def cpu_model() -> str:
     return fields.get("Model name", "").strip()
 
 
+def others_busy() -> float:
+    """CPU seconds spent so far by every process but this one (Linux's /proc/stat)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(field) for field in stat.readline().split()[1:]]
+    busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle
+    times = os.times()
+    return busy - times.user - times.system
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sentences", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--models", default="multi30k,large")
     parser.add_argument("--batches", default="64,16,1")
@@ -84,20 +95,24 @@ def main() -> None:
             # Batch 1 costs the most per sentence: fewer of them keep its cells short.
             count = len(sources) if batch_size > 1 else max(len(sources) // 8, 2 * cores)
             batches = [sources[i: i + batch_size] for i in range(0, count, batch_size)]
-            rates = []
-            for workers, threads in configurations:
-                with Workers(workers, threads) as pool:
-                    list(pool.map(decode, batches[:workers]))  # warm: weights packed, buffers
-                    best = float("inf")
-                    for _ in range(args.repeats):
-                        start = time.perf_counter()
-                        for _ in pool.map(decode, batches):
-                            pass
-                        best = min(best, time.perf_counter() - start)
-                rates.append(count / best)
+            pools = [Workers(workers, threads) for workers, threads in configurations]
+            best = [(float("inf"), 0.0)] * len(pools)  # (seconds, cores others kept busy)
+            for pool in pools:
+                list(pool.map(decode, batches[: pool.workers]))  # warm: packed weights, buffers
+            for _ in range(args.repeats):
+                for k, pool in enumerate(pools):
+                    start, others = time.perf_counter(), others_busy()
+                    for _ in pool.map(decode, batches):
+                        pass
+                    seconds = time.perf_counter() - start
+                    best[k] = min(best[k], (seconds, (others_busy() - others) / seconds))
+            for pool in pools:
+                pool.close()
             print(f"| {model_name} | {batch_size} | "
-                  + " | ".join(f"{r:.2f}" for r in rates) + " |", flush=True)
-    print(f"\nsentences per second; load average after: {os.getloadavg()[0]:.2f}")
+                  + " | ".join(f"{count / seconds:.2f} ({others:.1f})" for seconds, others in best)
+                  + " |", flush=True)
+    print(f"\nsentences per second (cores other processes kept busy); load average after: "
+          f"{os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from test_translate import SENTENCES, SHORT, make_checkpoint
 from fastattn import decoding
 from fastattn.model import Transformer
 from fastattn.translate import LONG_SOURCE, PRECISIONS, Translator, main
-from fastattn.workers import SMALL_BATCH, Workers, choose
+from fastattn.workers import Workers, choose
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +122,9 @@ def test_each_worker_keeps_its_thread_count_and_the_callers_stays():
         torch.set_num_threads(caller)
 
 
-def test_choose_is_one_thread_workers_for_small_batches_and_one_worker_for_large():
-    assert choose(1, 2) == (2, 1) and choose(SMALL_BATCH - 1, 4) == (4, 1)
-    assert choose(SMALL_BATCH, 2) == (1, 2) and choose(64, 8) == (1, 8)
-    assert choose(1, 1) == (1, 1)
+def test_choose_is_a_one_thread_worker_per_core():
+    assert [choose(batch, 2) for batch in (1, 16, 64, 1000)] == [(2, 1)] * 4
+    assert choose(64, 8) == (8, 1) and choose(1, 1) == (1, 1)
     with pytest.raises(ValueError, match="batch_size and cores"):
         choose(0, 2)
     with pytest.raises(ValueError, match="workers and threads"):
@@ -226,11 +225,12 @@ def test_two_workers_translate_as_one_does(checkpoint, decodings):
 def test_the_default_takes_choose_for_the_windows_batches(checkpoint):
     translator = Translator.from_checkpoint(checkpoint)
     cores = translator.cores = 4
-    one, many = [0], list(range(2 * SMALL_BATCH))
+    one, many = [0], list(range(64))
     assert translator._configuration([one] * 6) == choose(1, cores) == (4, 1)
-    assert translator._configuration([one] * 2) == (2, 2)  # no more workers than batches
+    assert translator._configuration([many] * 5) == choose(64, cores) == (4, 1)
+    # No more workers than batches: the cores go to the workers there are.
+    assert translator._configuration([many] * 2) == (2, 2)
     assert translator._configuration([one]) == (1, 4)
-    assert translator._configuration([many] * 3) == choose(2 * SMALL_BATCH, cores) == (1, 4)
     given = Translator.from_checkpoint(checkpoint, workers=2)
     given.cores = 4
     assert given._configuration([one]) == (2, 2)
