@@ -44,23 +44,20 @@ from pathlib import Path
 
 import torch
 
-from fastattn import decoding
 from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import CheckpointError, load_model
 from fastattn.cli import ArgumentParser, HelpFormatter
 from fastattn.data import Truecaser
+from fastattn.decoding import PRECISIONS, check_precision
 from fastattn.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.search import LengthPenalty, greedy_search
-from fastattn.workers import SMALL_BATCH, Workers, choose
+from fastattn.workers import Workers, choose
 
 try:
     from tqdm import tqdm
 except ImportError as e:
     raise MissingExtraError(__name__, e) from None
-
-PRECISIONS: tuple[str, ...] = getattr(decoding, "PRECISIONS", ("fp32", "int8"))
-"""The decoding precisions Translator and --precision take (fastattn.decoding's)."""
 
 MAX_SOURCE_LEN = 1024
 """The most source pieces translated of a line, its EOS included (Translator.max_source_len,
@@ -109,16 +106,17 @@ class Translator:
     a SourceTruncatedWarning). A line that encodes to no pieces (empty, or only white space)
     translates to the empty translation, scored 0, without decoding.
 
-    precision: the native decoder's ("fp32", or "int8": weights quantized once per model, see
-    Transformer.beam_search). On CPU, `workers` batches decode at once, each on its own thread
-    with `threads` intra-op threads (fastattn.workers.Workers); translations keep their order.
-    None: given one, the other is the cores (torch.get_num_threads() when the translator is
-    made) over it; given neither, each window's batches get fastattn.workers.choose(b, cores)
-    for b the number of sentences its batches hold on average (token-budgeted batches of short
-    lines hold many, a line decoded alone one), with no more workers than batches. Batches of
-    sources longer than LONG_SOURCE tokens, a window's last, decode after its others, chosen
-    for by themselves: they never take a worker from the lines before them. (1 worker with
-    the caller's thread count decodes in the caller's thread; on a GPU the default is that.)
+    precision: the decoder's, one of fastattn.decoding.PRECISIONS (Transformer.start_decoding;
+    "int8" quantizes the weights once per model and needs the native CPU decoder). On CPU,
+    `workers` batches decode at once, each on its own thread with `threads` intra-op threads
+    (fastattn.workers.Workers); translations keep their order. None: given one, the other is
+    the cores (torch.get_num_threads() when the translator is made) over it; given neither,
+    each window's batches get fastattn.workers.choose(b, cores) for b the number of sentences
+    its batches hold on average, with no more workers than batches (the cores go to the
+    workers there are). Batches of sources longer than LONG_SOURCE tokens, a window's last,
+    decode after its others, with a choice of their own: they never take a worker from the
+    lines before them. One worker with the caller's thread count decodes in the caller's
+    thread; on a GPU that is the default.
     """
 
     def __init__(
@@ -148,9 +146,7 @@ class Translator:
         if max_source_len < 2:
             raise ValueError(f"max_source_len must be >= 2 (a piece and the EOS), got "
                              f"{max_source_len}")
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got "
-                             f"{precision!r}")
+        check_precision(precision)
         for name, count in (("workers", workers), ("threads", threads)):
             if count is not None and not (isinstance(count, int) and count >= 1):
                 raise ValueError(f"{name} must be an integer >= 1 or None, got {count!r}")
@@ -322,14 +318,12 @@ class Translator:
             bos_id=self.bos_id, eos_id=self.eos_id, max_len=max_len, alpha=self.alpha,
             length_penalty=self.length_penalty,
         )  # fmt: skip
-        # fp32 goes without the keyword, which decoders before the int8 one do not take.
-        precision = {} if self.precision == "fp32" else {"precision": self.precision}
         if self.beam_size > 1:
-            found = self.model.beam_search(
-                source, beam_size=self.beam_size, nbest=self.nbest, **options, **precision
-            )
+            found = self.model.beam_search(source, beam_size=self.beam_size, nbest=self.nbest,
+                                           precision=self.precision, **options)
         else:
-            state = self.model.start_decoding(source, capacity=int(max_len.max()), **precision)
+            state = self.model.start_decoding(source, capacity=int(max_len.max()),
+                                              precision=self.precision)
 
             def step_fn(tokens: torch.Tensor, reorder: torch.Tensor | None) -> torch.Tensor:
                 if reorder is not None:
@@ -462,12 +456,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=1000,
                         help="lines read ahead and sorted by length into batches")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="the decoder's arithmetic: int8 quantizes the weights once (per "
-                        "output channel) and the activations per row")
+                        help="the decoder's arithmetic; int8 (the native CPU decoder's) "
+                        "quantizes the weights once per output feature and the activations "
+                        "per row")
     parser.add_argument("--workers", type=int,
-                        help="batches decoded at once, each on its own thread (default: on CPU "
-                        "one per core for batches averaging under "
-                        f"{SMALL_BATCH} sentences, else 1; docs/api.md, "
+                        help="batches decoded at once, each on its own thread (default on CPU: "
+                        "one per core, but no more than a window has batches; docs/api.md, "
                         "\"Workers and threads\")")
     parser.add_argument("--threads", type=int,
                         help="intra-op threads per worker (default: the cores over --workers)")
