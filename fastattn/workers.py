@@ -4,8 +4,8 @@
         for result in pool.map(decode, batches):  # in input order
             ...
 
-Why threads work here, as measured (torch 2.13, OpenMP backend, libgomp; scripts/
-measure_workers.py and tests/test_workers.py check it):
+Why threads work here, as measured (torch 2.13, OpenMP backend, libgomp; tests/test_workers.py
+checks both):
 
 - Native decoding releases the GIL: a call through torch.ops drops it for the call's length
   (torch's invokeOperatorFromPython), as torch's own ops do. While one thread ran a 124 ms
@@ -112,7 +112,8 @@ class Workers:
             raise error
 
     def close(self) -> None:
-        """Stops the threads once the calls already started are done; map raises after it."""
+        """Stops the threads once the calls already given to them are done; map raises after
+        it."""
         self._stop()
         for thread in self._threads:
             if thread is not threading.current_thread():
