@@ -2,7 +2,7 @@
 
     python -m fastattn.translate --checkpoint CKPT [--beam 4] [--alpha A] [--max-len-a 1]
         [--max-len-b 50] [--max-source-len 1024] [--nbest N] [--batch-tokens N]
-        [--precision fp32] [--workers N] [--threads N] [--input FILE] [--output FILE]
+        [--precision fp32|int8|bf16] [--workers N] [--threads N] [--input FILE] [--output FILE]
         < input > output
 
 Reads raw sentences, one per line, encodes them with the checkpoint's SentencePiece model, sorts
@@ -11,7 +11,8 @@ each batch with the cached decoder and beam search (Transformer.beam_search: one
 batch on CPU), and writes the detokenized translations in input order as soon as they and every
 line before them are done: memory does not grow with the input. On CPU, --workers batches decode
 at once, each on its own thread with --threads intra-op threads (default: fastattn.workers.choose
-for the window's batch size and the cores); --precision int8 decodes with quantized weights.
+for the window's batch size and the cores); --precision int8 or bf16 decodes with int8 or
+bfloat16 weights and activations (the native CPU decoder).
 Defaults are the paper's: beam 4, the GNMT length penalty with the α that fastattn.train chose
 on dev (stored in the checkpoint; else the paper's 0.6), at most source length + 50 tokens (the
 source length counts the EOS that ends it).
@@ -456,9 +457,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=1000,
                         help="lines read ahead and sorted by length into batches")
     parser.add_argument("--precision", choices=PRECISIONS, default="fp32",
-                        help="the decoder's arithmetic; int8 (the native CPU decoder's) "
+                        help="the decoder's arithmetic (the native CPU decoder's): int8 "
                         "quantizes the weights once per output feature and the activations "
-                        "per row")
+                        "per row; bf16 rounds both to bfloat16; both sum in 32 bits")
     parser.add_argument("--workers", type=int,
                         help="batches decoded at once, each on its own thread (default on CPU: "
                         "one per core, but no more than a window has batches; docs/api.md, "
