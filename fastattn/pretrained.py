@@ -75,7 +75,7 @@ def _unknown(name: str) -> str:
     shipped = names()
     if not shipped:
         return (f"no shipped model named {name!r}: none ship with this installation yet "
-                f"({MODELS} is empty; docs/pretrained.md says how to export one)")
+                f"({MODELS} holds none; docs/pretrained.md says how to export one)")
     close = difflib.get_close_matches(name, shipped, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     return f"no shipped model named {name!r}{hint}; shipped: {', '.join(shipped)}"
