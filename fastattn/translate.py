@@ -1,7 +1,8 @@
-"""Translation with a trained checkpoint: `python -m fastattn.translate` and fastattn.Translator.
+"""Translation with a trained checkpoint or a shipped model: `python -m fastattn.translate` and
+fastattn.Translator.
 
-    python -m fastattn.translate --checkpoint CKPT [--beam 4] [--alpha A] [--max-len-a 1]
-        [--max-len-b 50] [--max-source-len 1024] [--nbest N] [--batch-tokens N]
+    python -m fastattn.translate (--checkpoint CKPT | --model NAME) [--beam 4] [--alpha A]
+        [--max-len-a 1] [--max-len-b 50] [--max-source-len 1024] [--nbest N] [--batch-tokens N]
         [--precision fp32|int8|bf16] [--workers N] [--threads N] [--input FILE] [--output FILE]
         < input > output
 
@@ -45,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from fastattn import pretrained
 from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import CheckpointError, load_model
 from fastattn.cli import ArgumentParser, HelpFormatter
@@ -173,7 +175,19 @@ class Translator:
     def from_checkpoint(
         cls, path: str | Path, device: str | torch.device = "cpu", **options
     ) -> Translator:
-        model, sp, meta = load_model(path, device)
+        return cls._from_loaded(*load_model(path, device), **options)
+
+    @classmethod
+    def from_pretrained(
+        cls, name: str, device: str | torch.device = "cpu", **options
+    ) -> Translator:
+        """The translator of a model that ships with fastattn (fastattn.pretrained.names()),
+        its file checked against its model.json first; an unknown name is a ValueError that
+        lists the shipped ones."""
+        return cls._from_loaded(*pretrained.load(name, device), **options)
+
+    @classmethod
+    def _from_loaded(cls, model: torch.nn.Module, sp, meta: dict, **options) -> Translator:
         if options.get("alpha") is None:  # the length penalty training chose on dev, if any
             options["alpha"] = meta.get("alpha", 0.6)
         if meta.get("truecase") is not None:  # even empty: translations are detruecased
@@ -436,8 +450,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(or --output) with a fastattn checkpoint.",
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("--checkpoint", required=True,
-                        help="a checkpoint of fastattn.train or fastattn.ensemble")
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--checkpoint", help="a checkpoint of fastattn.train or fastattn.ensemble")
+    model.add_argument("--model", metavar="NAME",
+                       help="a model that ships with fastattn (docs/pretrained.md), e.g. "
+                       "multi30k-en-de")
     parser.add_argument("--beam", type=int, default=4, help="beam size (1: greedy search)")
     parser.add_argument("--alpha", type=float,
                         help="length penalty exponent α (default: the one fastattn.train chose "
@@ -523,14 +540,16 @@ def _main(args: argparse.Namespace) -> None:
             and os.path.samefile(args.input, args.output):  # opening it for writing empties it
         raise SystemExit(f"error: --output {args.output} is the --input file")
     try:
-        translator = Translator.from_checkpoint(
-            args.checkpoint, args.device, beam_size=args.beam, alpha=args.alpha,
+        load = (Translator.from_pretrained if args.checkpoint is None
+                else Translator.from_checkpoint)
+        translator = load(
+            args.checkpoint or args.model, args.device, beam_size=args.beam, alpha=args.alpha,
             length_penalty=args.length_penalty, max_len_a=args.max_len_a,
             max_len_b=args.max_len_b, nbest=args.nbest, batch_tokens=args.batch_tokens,
             window=args.window, max_source_len=args.max_source_len, precision=args.precision,
             workers=args.workers, threads=args.threads,
         )  # fmt: skip
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     try:
         source = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")

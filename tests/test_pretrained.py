@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_translate import SENTENCES, make_checkpoint
 
-from fastattn import evaluate, pretrained
+from fastattn import evaluate, pretrained, translate
 from fastattn.checkpoint import (
     CheckpointError,
     ensemble_checkpoints,
@@ -187,6 +187,22 @@ def test_an_unknown_name_lists_the_shipped_ones(shipped, tmp_path, monkeypatch):
     assert pretrained.names() == []
     with pytest.raises(ValueError, match="named 'tiny-en-de': none ship with this installation"):
         pretrained.load(NAME)
+
+
+def test_translator_and_translate_take_a_shipped_model(shipped, tmp_path, capsys):
+    """Translator.from_pretrained and `translate --model NAME` translate with the shipped model
+    (its α and truecaser from its meta) as Translator.from_checkpoint does with its file; a
+    typo is one error line naming the shipped models."""
+    expected = Translator.from_checkpoint(shipped / "model.pt", max_len_b=4).translate(SENTENCES)
+    assert Translator.from_pretrained(NAME, max_len_b=4).translate(SENTENCES) == expected
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{line}\n" for line in SENTENCES))
+    translate.main(["--model", NAME, "--max-len-b", "4", "--input", str(source)])
+    assert capsys.readouterr().out.splitlines() == expected
+    with pytest.raises(SystemExit) as caught:
+        translate.main(["--model", "tiny-en-fr", "--input", str(source)])
+    assert str(caught.value) == (f"error: no shipped model named 'tiny-en-fr' (did you mean "
+                                 f"{NAME!r}?); shipped: {NAME}")
 
 
 @pytest.mark.parametrize("args, error", [
