@@ -157,7 +157,8 @@ def native_decode_step(model: Transformer, x: Tensor, state: DecodingState) -> T
         state.memory_k, state.memory_v, _flat_memory_bias(state), state.sentences, packed,
         model.decoder.layers[0].feed_forward_norm.norm.eps)
     state.length += 1
-    rows = model.cfg.output_size  # int8, bf16: the output projection is the embedding's first
+    # int8, bf16: the output projection is the packed embedding's first `rows` rows.
+    rows = model.cfg.output_size
     if state.precision == "int8":
         panels, scales, sums = output
         return torch.ops.fastattn.log_softmax_linear_int8(
