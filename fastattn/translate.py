@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from fastattn import pretrained
+from fastattn import backend, pretrained
 from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import CheckpointError, load_model
 from fastattn.cli import ArgumentParser, HelpFormatter
@@ -299,7 +299,8 @@ class Translator:
         if self.workers is not None or self.threads is not None:
             workers = self.workers or max(1, self.cores // self.threads)
             return workers, self.threads or max(1, self.cores // workers)
-        if self.device.type != "cpu":
+        # One worker on a GPU, and under Triton's interpreter, which is not thread-safe.
+        if self.device.type != "cpu" or backend.interpreter_active():
             return 1, self.cores
         average = sum(map(len, batches)) / len(batches)
         workers, _ = choose(max(1, round(average)), self.cores)
