@@ -73,9 +73,7 @@ def get_backend() -> str:
     return _backend
 
 
-@torch.compiler.assume_constant_result  # fixed at triton's import, so dynamo may bake it in
-def interpreter_active() -> bool:
-    """True if Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+def _interpreter_on() -> bool:
     if TRITON_PROBLEM is not None:
         return False
     import triton
@@ -84,6 +82,16 @@ def interpreter_active() -> bool:
     if knobs is not None:
         return bool(knobs.runtime.interpret)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Fixed when triton is imported, so it is read once: a plain global that torch.compile may bake
+# in (torch.compiler.assume_constant_result would do the same but imports dynamo, 1.5 s).
+_INTERPRETER = _interpreter_on()
+
+
+def interpreter_active() -> bool:
+    """True if Triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return _INTERPRETER
 
 
 def _triton_on(device_type: str) -> str | None:
