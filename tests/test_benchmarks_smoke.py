@@ -17,13 +17,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    # Without the variables of the xdist worker running this test: in them, pytest-benchmark
+    # takes the child pytest for a worker too and disables itself.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, **(env or {})},
+        env={**inherited, **(env or {})},
     )
 
 
