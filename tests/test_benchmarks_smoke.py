@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import launches
 from fastattn import decoding
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -328,3 +329,21 @@ def test_decoding_cells_run_in_quick_mode_and_render(tmp_path):
     ratio = fp32.split("|")[-4].strip()  # fastattn best / CT2 best
     assert ratio.endswith("×") if ctranslate2 else ratio == "–", fp32
     assert "The 1-minute load average was" in text
+
+
+def test_launch_counter_counts_the_cuda_path_of_one_update():
+    """benchmarks.launches on the tiny preset: each Triton kernel as often as the model calls
+    it, the step's host syncs, and the totals the sums of their rows."""
+    cfg = launches.PRESETS["tiny"]
+    r = launches.trace("tiny", sentences=3, length=5, vocab=500)
+    by_op = r["launches_by_op"]
+    attention_calls = cfg.encoder_layers + 2 * cfg.decoder_layers  # self, causal self, cross
+    for kernel in ("_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+        assert by_op[f"triton {kernel}"] == attention_calls
+    norms = 2 * cfg.encoder_layers + 3 * cfg.decoder_layers
+    assert by_op["triton _layer_norm_fwd_kernel"] == by_op["triton _layer_norm_bwd_kernel"] == norms
+    assert by_op["_fused_adam_"] >= 1 and by_op["mm"] > 0
+    assert r["launches"] == sum(by_op.values())
+    assert r["host_syncs"] == sum(r["syncs_by_reason"].values()) > 0
+    assert r["bytes_copied"] == sum(r["bytes_copied_by_op"].values()) > 0
+    assert r["host_to_device_copies"] == 3  # the batch: source, decoder input, target

@@ -1,0 +1,343 @@
+"""Kernel launches, host syncs and bytes copied by one training update of the paper's base and
+big models on the CUDA dispatch path, counted on a machine without a GPU (issue 49 item 3).
+
+    python -m benchmarks.launches                  # base and big, the paper's batch per GPU
+    python -m benchmarks.launches --preset base --sentences 125 --length 25 --json out.json
+
+How: the model, its batch and the optimiser state are meta tensors (shapes and dtypes, no data),
+and fastattn's dispatch answers for them what it answers for CUDA tensors (the Triton kernels).
+A TorchDispatchMode sees every ATen op below autograd, forward and backward, and fastattn's own
+ops, whose CUDA implementations it runs (their launchers and matrix products) with Triton's
+launch replaced by a count. train_step (fastattn.train.step) runs as the trainer runs it, with
+fused Adam, bf16 autocast and one micro-batch.
+
+What counts, per op call:
+- a launch: every ATen op that is not a view, an allocation or a metadata query (each is one CUDA
+  kernel, the usual case; multi-tensor ops count one launch per 36 tensors, as
+  multi_tensor_apply groups them for Adam's four lists), and every Triton kernel launched;
+- a host sync: reading a device value on the host (Tensor.item(), .tolist(), float(tensor), a
+  copy to the CPU) and the ops whose output size depends on the data (nonzero, boolean
+  indexing, masked_select, unique), which wait for the device to know it;
+- bytes copied: what copies and casts write (copy_, _to_copy, clone, contiguous's copy, cat);
+- host-to-device copies, counted apart (the batch's own are one per tensor).
+
+Autocast: meta tensors have no autocast of their own, so the mode applies CUDA autocast's rule
+for the ops the model calls (the matrix products in bf16; autocast's cast cache keeps one bf16
+copy of each weight per forward), counting each cast as the _to_copy launch it is on a GPU.
+Limits: DistributedDataParallel's all-reduces are not traced (one GPU); the kernels a cuBLAS
+matrix product launches count as one; eager dispatch costs (5-10 us per launch) are the reason
+the count matters, and the CUDA time itself is gpu_check's to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import types
+from collections import Counter
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.fx.experimental import _config as fx_config
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastattn import backend
+from fastattn.model import PRESETS, Transformer
+from fastattn.train.step import LossModule, train_step
+
+aten = torch.ops.aten
+# Ops that launch nothing on a GPU: views, allocations, metadata.
+NO_LAUNCH = {
+    aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+    aten.new_empty.default, aten.new_empty_strided.default, aten.detach.default,
+    aten.lift_fresh.default, aten.is_same_size.default, aten.sym_size.int,
+    aten.sym_stride.int, aten.sym_numel.default, aten.sym_storage_offset.default,
+    aten._has_compatible_shallow_copy_type.default, aten.is_nonzero.default,
+    aten._unsafe_view.default,  # a view whose schema does not say so
+}
+SYNCS = {
+    aten._local_scalar_dense.default: "item()/float()/int() of a device tensor",
+    aten.nonzero.default: "nonzero (output size depends on the data)",
+    aten.masked_select.default: "masked_select (output size depends on the data)",
+    aten._unique2.default: "unique (output size depends on the data)",
+}
+COPIES = {aten.copy_.default, aten._to_copy.default, aten.clone.default, aten.cat.default}
+# CUDA autocast's lower-precision list, for the functions the model calls.
+AUTOCAST_FUNCTIONS = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                      torch.Tensor.matmul, torch.Tensor.__matmul__}
+MULTI_TENSOR_PER_LAUNCH = 36  # multi_tensor_apply's limit for depth-4 lists (Adam)
+
+
+@dataclass
+class Counts:
+    launches: Counter = field(default_factory=Counter)  # op name -> launches
+    syncs: Counter = field(default_factory=Counter)  # reason -> count
+    copied: Counter = field(default_factory=Counter)  # op name -> bytes written
+    h2d: int = 0
+
+    def total(self) -> int:
+        return sum(self.launches.values())
+
+
+def _bytes(x) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(x))
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+def _fastattn_cuda_impl(func):
+    """The CUDA implementation of a fastattn custom op (torch.library.custom_op's own table)."""
+    opdef = torch._library.custom_ops.OPDEFS.get(func._schema.name)
+    return None if opdef is None else opdef._backend_fns.get("cuda")
+
+
+class CudaPathCounter(TorchDispatchMode):
+    """Counts what the dispatched ops would launch, sync and copy on a GPU; runs them on meta."""
+
+    def __init__(self, counts: Counts) -> None:
+        super().__init__()
+        self.counts = counts
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name.removeprefix("aten::")
+        if func._schema.name.startswith("fastattn::"):
+            impl = _fastattn_cuda_impl(func)
+            if impl is not None:  # its launchers and products, counted op by op
+                with self:
+                    return impl(*args, **kwargs)
+        if func in SYNCS:
+            self.counts.syncs[SYNCS[func]] += 1
+            self.counts.launches[name] += func is not aten._local_scalar_dense.default
+            if func is aten._local_scalar_dense.default:
+                x = args[0]
+                return x.numel() if not x.dtype.is_floating_point else 1.0
+            return _data_dependent(func, args)
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
+                t.dtype in (torch.bool, torch.uint8) for t in _tensors(list(args[1]))):
+            self.counts.syncs["boolean indexing (output size depends on the data)"] += 1
+        if func is aten._to_copy.default:
+            source = args[0].device.type
+            target = kwargs.get("device")
+            target = source if target is None else torch.device(target).type
+            if source == "meta" and target == "cpu":  # .tolist(), .cpu(): the host waits
+                self.counts.syncs["copy to the host (.tolist(), .cpu())"] += 1
+                return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
+            if source == "cpu" and target == "meta":
+                self.counts.h2d += 1
+                return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        on_device = any(t.device.type == "meta" for t in _tensors(out)) or any(
+            t.device.type == "meta" for t in _tensors(list(args)))
+        if func in NO_LAUNCH or func.is_view or not on_device:  # host work launches nothing
+            return out
+        if name.startswith("_foreach") or name.startswith("_fused"):
+            lists = [a for a in args if isinstance(a, (list, tuple))]
+            n = max((len(a) for a in lists), default=1)
+            self.counts.launches[name] += math.ceil(n / MULTI_TENSOR_PER_LAUNCH)
+        else:
+            self.counts.launches[name] += 1
+        if func in COPIES:
+            self.counts.copied[name] += _bytes(out if func is not aten.copy_.default else args[0])
+        return out
+
+
+class MetaAutocast(TorchFunctionMode):
+    """CUDA autocast's rule for meta tensors, above autograd as autocast is: inside an enabled
+    region the matrix products take bf16 copies of their float32 inputs (one per weight per
+    region: autocast's cast cache), so the casts and their backward are dispatched and counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.depth, self.enabled = 0, []
+        self.cache: dict[int, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def region(self, enabled: bool):
+        self.enabled.append(enabled)
+        try:
+            yield
+        finally:
+            self.enabled.pop()
+            if not self.enabled:
+                self.cache.clear()
+
+    def on(self) -> bool:
+        return bool(self.enabled) and self.enabled[-1]
+
+    def cast(self, x):
+        if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32):
+            return x
+        cached = x.is_leaf and x.requires_grad
+        if cached and id(x) in self.cache:
+            return self.cache[id(x)]
+        y = x.to(torch.bfloat16)
+        if cached:
+            self.cache[id(x)] = y
+        return y
+
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in AUTOCAST_FUNCTIONS and self.on():
+            args = tuple(self.cast(a) for a in args)
+            kwargs = {k: self.cast(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def _data_dependent(func, args):
+    """A plausible result for an op whose output size depends on the data: as if every element
+    were selected (the count, not the size, is what matters here)."""
+    x = args[0]
+    if func is aten.nonzero.default:
+        return torch.empty((x.numel(), x.dim()), dtype=torch.long, device="meta")
+    if func is aten.masked_select.default:
+        return torch.empty(x.numel(), dtype=x.dtype, device="meta")
+    return (torch.empty(x.numel(), dtype=x.dtype, device="meta"),) + (
+        torch.empty(0, dtype=torch.long, device="meta"),) * 2
+
+
+@contextlib.contextmanager
+def cuda_dispatch(counts: Counts, sm: tuple[int, int] = (9, 0), sms: int = 132):
+    """fastattn dispatches meta tensors as CUDA ones; Triton launches are counted, not run;
+    the launchers' device queries answer for an H100 (sm_90, 132 SMs)."""
+    names = ("autocast", "is_autocast_enabled", "get_autocast_dtype")
+    saved = (backend._triton_on, triton.runtime.jit.JITFunction.run,
+             torch.cuda.get_device_capability, torch.cuda.get_device_properties,
+             *(getattr(torch, n) for n in names))
+    on, real_autocast, real_enabled, real_dtype = saved[0], *saved[4:]
+    emulated = MetaAutocast()
+
+    def autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type == "meta":
+            return emulated.region(enabled)
+        return real_autocast(device_type, dtype, enabled, cache_enabled)
+
+    torch.autocast = autocast
+    torch.is_autocast_enabled = lambda *a: emulated.on() if a and a[0] == "meta" \
+        else real_enabled(*a)
+    torch.get_autocast_dtype = lambda t: torch.bfloat16 if t == "meta" else real_dtype(t)
+
+    def run(self, *args, grid, warmup, **kwargs):
+        counts.launches[f"triton {self.fn.__name__}"] += 1
+
+    backend._triton_on = lambda device_type: "triton" if device_type == "meta" else on(device_type)
+    triton.runtime.jit.JITFunction.run = run
+    torch.cuda.get_device_capability = lambda device=None: sm
+    torch.cuda.get_device_properties = lambda device=None: types.SimpleNamespace(
+        multi_processor_count=sms)
+    foreach = torch.utils._foreach_utils
+    saved_foreach = foreach._get_foreach_kernels_supported_devices
+    # clip_grad_norm_ takes the multi-tensor kernels on CUDA, as on meta here
+    foreach._get_foreach_kernels_supported_devices = lambda: [*saved_foreach(), "meta"]
+    saved_nonzero = fx_config.meta_nonzero_assume_all_nonzero
+    fx_config.meta_nonzero_assume_all_nonzero = True  # boolean indexing on meta: all selected
+    try:
+        with emulated:
+            yield
+    finally:
+        (backend._triton_on, triton.runtime.jit.JITFunction.run,
+         torch.cuda.get_device_capability, torch.cuda.get_device_properties) = saved[:4]
+        for name, value in zip(names, saved[4:], strict=True):
+            setattr(torch, name, value)
+        fx_config.meta_nonzero_assume_all_nonzero = saved_nonzero
+        foreach._get_foreach_kernels_supported_devices = saved_foreach
+
+
+class MetaAdam:
+    """What torch.optim.Adam(fused=True) does per step on a GPU: one _fused_adam_ over the
+    parameter, gradient and moment lists (torch refuses fused Adam on meta tensors)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.exp_avg = [torch.zeros_like(p) for p in params]
+        self.exp_avg_sq = [torch.zeros_like(p) for p in params]
+        self.steps = [torch.zeros((), device=p.device) for p in params]
+
+    def step(self) -> None:
+        grads = [p.grad for p in self.params]
+        torch._fused_adam_(self.params, grads, self.exp_avg, self.exp_avg_sq, [], self.steps,
+                           lr=1e-4, beta1=0.9, beta2=0.98, weight_decay=0.0, eps=1e-9,
+                           amsgrad=False, maximize=False)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
+    """The counts of one update (one micro-batch of `sentences` pairs of `length` source and
+    target tokens) of `preset` on the CUDA path, split into the forward+backward and the rest."""
+    if backend.interpreter_active():
+        raise RuntimeError("the launch count needs Triton's compiled launch path: unset "
+                           "TRITON_INTERPRET")
+    config = replace(PRESETS[preset], vocab_size=vocab)
+    with torch.device("meta"):
+        model = Transformer(config).train()
+    loss_module = LossModule(model)
+    counts = Counts()
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randint(4, vocab, (sentences, length), generator=generator)
+    target = torch.randint(4, vocab, (sentences, length + 1), generator=generator)
+    batch = (source, target[:, :-1], target[:, 1:])  # on the CPU, as the trainer's batches are
+    optimizer = MetaAdam(list(model.parameters()))
+    with cuda_dispatch(counts), CudaPathCounter(counts):
+        train_step(loss_module, optimizer, [batch], autocast_dtype=torch.bfloat16)
+    return {
+        "preset": preset, "sentences": sentences, "length": length, "vocab": vocab,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "launches": counts.total(), "host_syncs": sum(counts.syncs.values()),
+        "bytes_copied": sum(counts.copied.values()), "host_to_device_copies": counts.h2d,
+        "launches_by_op": dict(counts.launches.most_common()),
+        "syncs_by_reason": dict(counts.syncs.most_common()),
+        "bytes_copied_by_op": dict(counts.copied.most_common()),
+    }
+
+
+def markdown(results: list[dict]) -> str:
+    lines = ["| preset | tokens (src + tgt) | launches | host syncs | bytes copied | "
+             "host-to-device copies |", "|---|---|---|---|---|---|"]
+    for r in results:
+        tokens = r["sentences"] * r["length"]
+        lines.append(f"| {r['preset']} | {tokens:,} + {tokens:,} | {r['launches']:,} | "
+                     f"{r['host_syncs']} | {r['bytes_copied'] / 1e9:.2f} GB | "
+                     f"{r['host_to_device_copies']} |")
+    for r in results:
+        lines += ["", f"{r['preset']}: launches by op", ""]
+        lines += [f"- {op}: {n}" for op, n in r["launches_by_op"].items()]
+        lines += ["", f"{r['preset']}: host syncs", ""]
+        lines += [f"- {why}: {n}" for why, n in r["syncs_by_reason"].items()] or ["- none"]
+        lines += ["", f"{r['preset']}: bytes copied by op", ""]
+        lines += [f"- {op}: {n / 1e6:,.1f} MB" for op, n in r["bytes_copied_by_op"].items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.launches",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", nargs="+", default=["base", "big"], choices=sorted(PRESETS))
+    # The paper's batch per GPU: about 25,000 + 25,000 tokens over 8 GPUs (section 5.1).
+    parser.add_argument("--sentences", type=int, default=125)
+    parser.add_argument("--length", type=int, default=25)
+    parser.add_argument("--vocab", type=int, default=37000)
+    parser.add_argument("--json", help="also write the counts here")
+    args = parser.parse_args(argv)
+    results = [trace(p, args.sentences, args.length, args.vocab) for p in args.preset]
+    print(markdown(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
