@@ -161,9 +161,15 @@ def ctranslate2_translator(name: str, precision: str, workers: int, threads: int
     compute_type = COMPUTE_TYPES[precision]
     if compute_type not in ctranslate2.get_supported_compute_types("cpu"):
         pytest.skip(f"CTranslate2 has no {compute_type} on this CPU")
-    return ctranslate2.Translator(ctranslate2_model(name), device="cpu",
-                                  compute_type=compute_type, inter_threads=workers,
-                                  intra_threads=threads)
+    # CTranslate2 sets the calling thread's OpenMP thread count to intra_threads, which is
+    # torch's count in this thread too: every benchmark after it would run on one thread.
+    previous = torch.get_num_threads()
+    try:
+        return ctranslate2.Translator(ctranslate2_model(name), device="cpu",
+                                      compute_type=compute_type, inter_threads=workers,
+                                      intra_threads=threads)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def ctranslate2_decoder(model: Model, translator, beam: int = BEAM):
