@@ -1,0 +1,236 @@
+"""The speed half of python -m fastattn.gpu_check, and what every one of its stages takes.
+
+  Check         the state of one run: device, dry run, report so far, the stage's deadline
+  device_name   the GPU's name, or the CPU's in the dry run
+  timing        synchronize, seconds (median of timed calls), peak_bytes (peak GPU memory)
+  stages        attention (fastattn against SDPA's backends and flash_attn), fused (LayerNorm +
+                residual, cross-entropy, linear cross-entropy against eager PyTorch), training
+                (base and big steps beside the paper's)
+
+The schedule, the correctness stages, the report and the command line are fastattn.gpu_check's;
+this module never imports it.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fastattn
+from fastattn import ops
+
+PAPER_STEP_SECONDS = {"base": 0.4, "big": 1.0}  # 8 P100s, about 25k + 25k tokens per step
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense, datasheets
+
+
+@dataclass
+class Check:
+    """The state of one run that every stage takes: where it runs, whether it is the dry run,
+    the report so far (gpu_check writes it under `out` as each stage ends) and the deadline of the
+    stage running."""
+    device: torch.device
+    dry_run: bool
+    out: Path
+    report: dict[str, Any] = field(default_factory=dict)
+    deadline: float = 0.0  # of the stage running
+
+    def time_left(self) -> bool:
+        return time.monotonic() < self.deadline
+
+
+def device_name(check: Check) -> str:
+    if check.device.type == "cuda":
+        return torch.cuda.get_device_name(check.device)
+    return f"CPU ({platform.processor() or platform.machine()}, Triton interpreter)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds(fn: Callable[[], object], device: torch.device, budget: float = 0.3) -> float:
+    """The median time of one call, after two untimed ones, over calls filling about `budget`;
+    on the CPU (the dry run, where figures mean nothing) one call."""
+    if device.type == "cpu":
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    for _ in range(2):
+        fn()
+    synchronize(device)
+    times: list[float] = []
+    end = time.monotonic() + budget
+    while len(times) < 3 or (time.monotonic() < end and len(times) < 200):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+# ---------------------------------------------------------------------------------------------
+# Stages
+# ---------------------------------------------------------------------------------------------
+
+
+def attention_speed(check: Check) -> list[dict[str, Any]]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dev = check.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    systems: dict[str, Callable[..., torch.Tensor]] = {"fastattn": ops.attention}
+    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION),
+                          ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sdpa(q, k, v, causal=False, backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        systems[name] = sdpa
+    try:
+        from flash_attn import flash_attn_func
+
+        systems["flash_attn"] = lambda q, k, v, causal=False: flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+    except ImportError:
+        pass
+    tokens = 256 if check.dry_run else 16384
+    lengths = (64,) if check.dry_run else (128, 512, 2048, 8192)
+    rows = []
+    for d in ((16,) if check.dry_run else (64, 128)):
+        heads = 1024 // d if not check.dry_run else 2
+        for length in lengths:
+            for causal in (False, True):
+                b = max(1, tokens // length)
+                q, k, v = (torch.randn(b, heads, length, d, device=dev, dtype=dtype,
+                                       requires_grad=True) for _ in range(3))
+                flop = 4 * b * heads * length * length * d * (0.5 if causal else 1.0)
+                for name, fn in systems.items():
+                    if not check.time_left():
+                        return rows
+                    row = dict(system=name, shape=f"B={b} H={heads} L={length} D={d}",
+                               causal=causal)
+                    rows.append(row | attention_timing(partial(fn, q, k, v, causal=causal),
+                                                       flop, dev))
+    return rows
+
+
+def attention_timing(call: Callable[[], torch.Tensor], flop: float,
+                     dev: torch.device) -> dict[str, Any]:
+    try:
+        with torch.no_grad():
+            fwd = seconds(call, dev)
+        both = seconds(lambda: call().sum().backward(), dev)
+    except RuntimeError as e:  # an SDPA backend that does not take the shape
+        return dict(error=str(e).splitlines()[0][:120])
+    # The backward is 2.5 forwards of matmul work (five products against two).
+    return dict(forward_ms=fwd * 1e3, forward_tflops=flop / fwd / 1e12, fwd_bwd_ms=both * 1e3,
+                fwd_bwd_tflops=3.5 * flop / both / 1e12)
+
+
+def fused_speed(check: Check) -> list[dict[str, Any]]:
+    dev = check.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    size = dtype.itemsize
+    n, features, vocab = (64, 40, 97) if check.dry_run else (8192, 1024, 37000)
+    x, r = (torch.randn(n, features, device=dev, dtype=dtype, requires_grad=True)
+            for _ in range(2))
+    w, b = (torch.ones(features, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+    logits = torch.randn(n, vocab, device=dev, dtype=dtype, requires_grad=True)
+    hidden = torch.randn(n, 512, device=dev, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, 512, device=dev, dtype=dtype, requires_grad=True)
+    target = torch.randint(1, vocab, (n,), device=dev)
+    cases = {
+        "layer_norm_residual": (
+            lambda: ops.layer_norm_residual(x, r, w, b).sum().backward(),
+            lambda: F.layer_norm(x + r, (features,), w, b).sum().backward(),
+            7 * n * features * size),  # x, r, y read and written across both passes
+        "label_smoothed_cross_entropy": (
+            lambda: ops.label_smoothed_cross_entropy(logits, target, 0.1).backward(),
+            lambda: F.cross_entropy(logits, target, label_smoothing=0.1).backward(),
+            3 * n * vocab * size),
+        "linear_cross_entropy": (
+            lambda: ops.linear_cross_entropy(hidden, weight, target, smoothing=0.1).backward(),
+            lambda: F.cross_entropy(hidden @ weight.T, target, label_smoothing=0.1).backward(),
+            None),
+    }
+    rows = []
+    for name, (ours, eager, moved) in cases.items():
+        for system, fn in (("fastattn", ours), ("eager", eager)):
+            if not check.time_left():
+                return rows
+            t = seconds(fn, dev)
+            rows.append(dict(op=name, system=system, dtype=str(dtype), ms=t * 1e3,
+                             gb_per_s=moved / t / 1e9 if moved else None,
+                             peak_mib=(peak_bytes(fn, dev) or 0) / 2**20))
+    return rows
+
+
+def training(check: Check) -> list[dict[str, Any]]:
+    return [training_step(check, preset) for preset in ("base", "big")]
+
+
+def training_step(check: Check, preset: str) -> dict[str, Any]:
+    dev = check.device
+    cfg = fastattn.PRESETS[preset]
+    if check.dry_run:
+        cfg = replace(cfg, vocab_size=97, encoder_layers=1, decoder_layers=1, d_model=32,
+                      d_ff=64, heads=2)
+    model = fastattn.Transformer(cfg).to(dev)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                 fused=dev.type == "cuda")
+    b, length = (4, 9) if check.dry_run else (125, 25)  # the paper's 3,125 + 3,125 per GPU
+    src = torch.randint(4, cfg.vocab_size, (b, length), device=dev)
+    tgt = torch.randint(4, cfg.vocab_size, (b, length + 1), device=dev)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda"
+                else nullcontext())
+
+    def step():
+        with autocast:
+            loss = model.loss(src, tgt[:, :-1], tgt[:, 1:], reduction="sum")
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    t = seconds(step, dev, budget=0.5 if check.dry_run else 5.0)
+    launches = busy = None
+    if dev.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            synchronize(dev)
+        kernels = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        launches = len(kernels)
+        busy = sum(e.device_time for e in kernels) / 1e6 / t
+    params = sum(p.numel() for p in model.parameters())
+    flop = 6 * params * b * length  # the usual 6 N per token, attention's small share aside
+    peak = next((v for k, v in PEAK_BF16.items() if k in device_name(check)), None)
+    return dict(preset=preset, tokens=f"{b * length} + {b * length}", step_s=t,
+                paper_step_s=PAPER_STEP_SECONDS[preset], launches=launches, gpu_busy=busy,
+                mfu=flop / t / peak if peak else None)
