@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_translate import SENTENCES, make_checkpoint
 
-from fastattn import evaluate, pretrained, translate
+from fastattn import evaluate, pretrained, translate_command
 from fastattn.checkpoint import (
     CheckpointError,
     ensemble_checkpoints,
@@ -197,10 +197,10 @@ def test_translator_and_translate_take_a_shipped_model(shipped, tmp_path, capsys
     assert Translator.from_pretrained(NAME, max_len_b=4).translate(SENTENCES) == expected
     source = tmp_path / "in.txt"
     source.write_text("".join(f"{line}\n" for line in SENTENCES))
-    translate.main(["--model", NAME, "--max-len-b", "4", "--input", str(source)])
+    translate_command.main(["--model", NAME, "--max-len-b", "4", "--input", str(source)])
     assert capsys.readouterr().out.splitlines() == expected
     with pytest.raises(SystemExit) as caught:
-        translate.main(["--model", "tiny-en-fr", "--input", str(source)])
+        translate_command.main(["--model", "tiny-en-fr", "--input", str(source)])
     assert str(caught.value) == (f"error: no shipped model named 'tiny-en-fr' (did you mean "
                                  f"{NAME!r}?); shipped: {NAME}")
 

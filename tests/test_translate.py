@@ -13,7 +13,8 @@ from fastattn import data
 from fastattn.checkpoint import load_checkpoint, save_checkpoint
 from fastattn.model import Transformer
 from fastattn.search import beam_search
-from fastattn.translate import Translator, main
+from fastattn.translate import Translator
+from fastattn.translate_command import main
 
 SENTENCES = [
     "A dog runs on the beach.",

@@ -15,8 +15,10 @@ import torch
 from test_translate import SENTENCES, SHORT, make_checkpoint
 
 from fastattn import decoding
+from fastattn.decoding import PRECISIONS
 from fastattn.model import Transformer
-from fastattn.translate import LONG_SOURCE, PRECISIONS, Translator, main
+from fastattn.translate import LONG_SOURCE, Translator
+from fastattn.translate_command import main
 from fastattn.workers import Workers, choose
 
 
