@@ -5,7 +5,7 @@ row of Table 3, small models for CPU), then one small module per piece of sectio
 encoder-decoder with its fused training loss and its incremental decoding for beam search.
 
 Token ids are (B, L) LongTensors padded with `pad_id` at the end; everything inside is batch
-first. Section numbers refer to the paper.
+first (fastattn.tokens checks them). Section numbers refer to the paper.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from fastattn.decoding import DecodingState
 from fastattn.modules import ResidualLayerNorm
 from fastattn.rdrop import linear_rdrop_loss
 from fastattn.search import BeamSearchSetup, Hypothesis, LengthPenalty, beam_search
+from fastattn.tokens import check_loss_args, check_token_range, check_tokens, range_checked
 
 # DecodingState lives in fastattn.decoding; it stays importable from here.
 __all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
@@ -391,21 +392,6 @@ class Stack(nn.Module):
 # ---------------------------------------------------------------------------------------------
 
 
-def _check_loss_args(tgt_in: Tensor, tgt_out: Tensor, reduction: str,
-                     cfg: TransformerConfig) -> None:
-    if tgt_out.shape != tgt_in.shape:
-        raise ValueError(f"tgt_out {tuple(tgt_out.shape)} and tgt_in {tuple(tgt_in.shape)} "
-                         "must have the same shape")
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    if _range_checked(tgt_out):  # the loss op checks too, but cannot name (batch, position)
-        bad = _outside(tgt_out, cfg.output_size, ignore=cfg.pad_id)
-        if bad is not None:
-            raise ValueError(
-                f"target {bad[0]} is out of range for {cfg.output_size} classes (the output "
-                f"vocabulary), at {bad[1]} of tgt_out")
-
-
 class Transformer(nn.Module):
     """The encoder-decoder of Figure 1 with tied embeddings (3.4).
 
@@ -446,13 +432,13 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src (B, S) -> memory (B, S, d_model) and its padding mask (B, 1, 1, S)."""
-        _check_tokens("src", src, self.cfg.vocab_size)
+        check_tokens("src", src, self.cfg.vocab_size)
         mask = self.padding_mask(src)
         return self.encoder(self.embedding(src), mask), mask
 
     def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
         """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model)."""
-        _check_tokens("tgt_in", tgt_in, self.cfg.vocab_size)
+        check_tokens("tgt_in", tgt_in, self.cfg.vocab_size)
         return self.decoder(self.embedding(tgt_in), memory, memory_mask)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
@@ -473,7 +459,7 @@ class Transformer(nn.Module):
         loss are one fused op, so the (tokens × vocabulary) logits are never materialised.
         With return_nll, also the unsmoothed negative log-likelihood reduced the same way
         (without gradient; exp of its mean is the perplexity)."""
-        _check_loss_args(tgt_in, tgt_out, reduction, self.cfg)
+        check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
         hidden = self.decode(tgt_in, *self.encode(src))
         real = tgt_out != self.cfg.pad_id  # padding costs no projection
         return ops.linear_cross_entropy(
@@ -488,7 +474,7 @@ class Transformer(nn.Module):
         different dropout masks, and the loss per target token is the mean of the two passes'
         label-smoothed cross-entropies (as in loss()) plus α/4 · (KL(p1‖p2) + KL(p2‖p1)) of
         their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL."""
-        _check_loss_args(tgt_in, tgt_out, reduction, self.cfg)
+        check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
         hidden = self.decode(torch.cat([tgt_in, tgt_in]), *self.encode(torch.cat([src, src])))
         real = tgt_out != self.cfg.pad_id
         h1, h2 = (h[real] for h in hidden.chunk(2))
@@ -542,9 +528,9 @@ class Transformer(nn.Module):
             reason = decoding.native_decoder_supports(self, self.embedding.weight, precision)
             if reason is not None:
                 raise ValueError(f"precision {precision} needs fastattn._C's CPU decoder: {reason}")
-        if not _range_checked(src):  # GPUs check here, once per search, not in training steps
-            _check_tokens("src", src, self.cfg.vocab_size)
-            _check_token_range("src", src, self.cfg.vocab_size)
+        if not range_checked(src):  # GPUs check here, once per search, not in training steps
+            check_tokens("src", src, self.cfg.vocab_size)
+            check_token_range("src", src, self.cfg.vocab_size)
         memory, mask = self.encode(src)
         # Views into each layer's (B, S, 2·h·d) projection: the attention reads any strides.
         memory_kv = [layer.cross_attention.memory_kv(memory) for layer in self.decoder.layers]
@@ -557,8 +543,8 @@ class Transformer(nn.Module):
         """tokens (N,): the newest token of every row (BOS on the first call), at position
         state.length -> log-probabilities (N, cfg.output_size) of the next token. Costs O(length):
         earlier positions are read from the caches, not recomputed."""
-        if _range_checked(tokens):
-            _check_token_range("tokens", tokens, self.cfg.vocab_size)
+        if range_checked(tokens):
+            check_token_range("tokens", tokens, self.cfg.vocab_size)
         state.start_position(tokens.shape[0], self.cfg, self.embedding.weight)
         x = decoding.native_embedding(self, tokens, state)
         if decoding.native_decoder_supports(self, x, state.precision) is None:
@@ -605,53 +591,3 @@ class Transformer(nn.Module):
         # copies cannot tell; a switch of mode (training <-> evaluation) rebuilds them.
         self._decoder_weights = {}
         return super().train(mode)
-
-
-# What each checked argument holds, for the messages.
-_TOKEN_KINDS = {"src": "source", "tgt_in": "target input", "tokens": "decoder input"}
-
-
-def _range_checked(tokens: Tensor) -> bool:
-    """Whether the token ids are checked against the vocabulary on every call: on CPU, where
-    the one min/max reduction costs no device sync (and outside torch.compile's tracing). On
-    GPUs only the decoding entry points check (start_decoding, so beam search and translation):
-    a check in each training step would synchronise the device every step."""
-    return tokens.device.type == "cpu" and not torch.compiler.is_compiling()
-
-
-def _outside(tokens: Tensor, vocab_size: int, ignore: int | None = None
-             ) -> tuple[int, str] | None:
-    """(the first id outside [0, vocab_size) that is not `ignore`, where it sits: "(batch b,
-    position t)" or "row n"), or None. One min/max pass; the search only after a bad one."""
-    if tokens.numel() == 0:
-        return None
-    low, high = torch.aminmax(tokens)
-    if low >= 0 and high < vocab_size:
-        return None
-    bad = (tokens < 0) | (tokens >= vocab_size)
-    if ignore is not None:
-        bad &= tokens != ignore
-    where = bad.nonzero()
-    if len(where) == 0:
-        return None
-    at = where[0].tolist()
-    place = f"(batch {at[0]}, position {at[1]})" if len(at) == 2 else f"row {at[0]}"
-    return int(tokens[tuple(at)]), place
-
-
-def _check_token_range(name: str, tokens: Tensor, vocab_size: int) -> None:
-    """ValueError naming the first token id outside the vocabulary, its place and the size."""
-    bad = _outside(tokens, vocab_size)
-    if bad is not None:
-        raise ValueError(f"{_TOKEN_KINDS.get(name, name)} token id {bad[0]} at {bad[1]} is "
-                         f"outside the vocabulary of {vocab_size} (ids 0 to {vocab_size - 1})")
-
-
-def _check_tokens(name: str, tokens: Tensor, vocab_size: int) -> None:
-    if tokens.dim() != 2 or tokens.dtype != torch.long:
-        raise ValueError(f"{name} must be a (batch, length) LongTensor of token ids, got "
-                         f"{tuple(tokens.shape)} {tokens.dtype}")
-    if tokens.shape[1] == 0:
-        raise ValueError(f"{name} is empty: sequences need at least one token")
-    if _range_checked(tokens):
-        _check_token_range(name, tokens, vocab_size)
