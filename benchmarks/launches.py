@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import json
 import math
+import traceback
 import types
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -76,7 +77,7 @@ MULTI_TENSOR_PER_LAUNCH = 36  # multi_tensor_apply's limit for depth-4 lists (Ad
 @dataclass
 class Counts:
     launches: Counter = field(default_factory=Counter)  # op name -> launches
-    syncs: Counter = field(default_factory=Counter)  # reason -> count
+    syncs: Counter = field(default_factory=Counter)  # "reason at file:line" -> count
     copied: Counter = field(default_factory=Counter)  # op name -> bytes written
     h2d: int = 0
 
@@ -94,6 +95,17 @@ def _tensors(x):
     elif isinstance(x, (list, tuple)):
         for y in x:
             yield from _tensors(y)
+
+
+def _caller() -> str:
+    """The innermost frame in fastattn's own code (or torch's, if none): file:line."""
+    frames = [f for f in traceback.extract_stack() if "benchmarks/launches" not in f.filename]
+    ours = [f for f in frames if "/fastattn/" in f.filename and "site-packages/torch" not in
+            f.filename]
+    frame = (ours or frames)[-1]
+    name = frame.filename
+    name = "fastattn/" + name.split("/fastattn/")[-1] if ours else name.split("site-packages/")[-1]
+    return f"{name}:{frame.lineno}"
 
 
 def _fastattn_cuda_impl(func):
@@ -117,22 +129,23 @@ class CudaPathCounter(TorchDispatchMode):
             if impl is not None:  # its launchers and products, counted op by op
                 with self:
                     return impl(*args, **kwargs)
-        if func in SYNCS:
-            self.counts.syncs[SYNCS[func]] += 1
-            self.counts.launches[name] += func is not aten._local_scalar_dense.default
-            if func is aten._local_scalar_dense.default:
+        if func in SYNCS and any(t.device.type == "meta" for t in _tensors(list(args))):
+            self.counts.syncs[f"{SYNCS[func]} at {_caller()}"] += 1
+            if func is aten._local_scalar_dense.default:  # the copy of one value
                 x = args[0]
                 return x.numel() if not x.dtype.is_floating_point else 1.0
+            self.counts.launches[name] += 1
             return _data_dependent(func, args)
         if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
                 t.dtype in (torch.bool, torch.uint8) for t in _tensors(list(args[1]))):
-            self.counts.syncs["boolean indexing (output size depends on the data)"] += 1
+            self.counts.syncs[f"boolean indexing (output size depends on the data) at "
+                              f"{_caller()}"] += 1
         if func is aten._to_copy.default:
             source = args[0].device.type
             target = kwargs.get("device")
             target = source if target is None else torch.device(target).type
             if source == "meta" and target == "cpu":  # .tolist(), .cpu(): the host waits
-                self.counts.syncs["copy to the host (.tolist(), .cpu())"] += 1
+                self.counts.syncs[f"copy to the host (.tolist(), .cpu()) at {_caller()}"] += 1
                 return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
             if source == "cpu" and target == "meta":
                 self.counts.h2d += 1
