@@ -14,13 +14,14 @@ of each kernel (`forward_bytes` computes totals, with weight, bias and row stati
     yes       yes      yes               4e  (8)    the sum is already materialised   = 7e+1 (15)
     no        yes      no                2e  (4)    dropout 2e+1 + layer_norm 2e      = 4e+1 (9)
 
-Dropout draws its keep mask from Philox keyed by a per-call seed (an int64 tensor drawn from
-torch's generator, so torch.manual_seed reproduces it) with the element's (column, row) as the
-counter; the backward regenerates the same mask instead of storing it. The backward recomputes
-the sum from x and residual (both are kept alive by the caller anyway) and the saved fp32 mean
-and rstd; dweight and dbias are summed from fp32 per-program partials, with no atomics, so they
-are deterministic. Rows wider than BWD_MAX_BLOCK take a two-pass backward over column chunks
-(the second pass rereads the row from L2), so no configuration spills registers.
+Dropout draws its keep mask from Philox keyed by a per-call seed (an int64 the op draws from
+torch's CPU generator, so torch.manual_seed reproduces it, passed by value: no launch, no sync)
+with the element's (column, row) as the counter; the backward regenerates the same mask
+instead of storing it. The backward recomputes the sum from x and residual (both are kept alive
+by the caller anyway) and the saved fp32 mean and rstd; dweight and dbias are summed from fp32
+per-program partials (both in one more launch), with no atomics, so they are deterministic. Rows
+wider than BWD_MAX_BLOCK take a two-pass backward over column chunks (the second pass rereads
+the row from L2), so no configuration spills registers.
 """
 
 from __future__ import annotations
@@ -40,9 +41,9 @@ def _keep_mask(seed, row, cols, dropout_p):
     return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _layer_norm_fwd_kernel(
-    X, R, W, B, Y, S, Mean, Rstd, Seed,
+    X, R, W, B, Y, S, Mean, Rstd, seed,
     stride_x, stride_r, stride_y, stride_s,
     N, eps, dropout_p,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -59,7 +60,7 @@ def _layer_norm_fwd_kernel(
     mask = cols < N
     s = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = _keep_mask(tl.load(Seed), row, cols, dropout_p)
+        keep = _keep_mask(seed, row, cols, dropout_p)
         s = tl.where(keep, s / (1.0 - dropout_p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -79,13 +80,13 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
-def _recompute_xhat(X, R, Seed, row, cols, mask, stride_x, stride_r, mean, rstd, dropout_p,
+def _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean, rstd, dropout_p,
                     HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
     """xhat = (r + x * keep / (1 - p) - mean) * rstd of row's `cols`, and the keep mask."""
     s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
-        keep = _keep_mask(tl.load(Seed), row, cols, dropout_p)
+        keep = _keep_mask(seed, row, cols, dropout_p)
         s = tl.where(keep, s / (1.0 - dropout_p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -106,9 +107,9 @@ def _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, str
     tl.store(DX + row * stride_dx + cols, ds.to(DX.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _layer_norm_bwd_kernel(
-    DY, DSUM, X, R, W, Mean, Rstd, Seed, DX, DR, DW, DB,
+    DY, DSUM, X, R, W, Mean, Rstd, seed, DX, DR, DW, DB,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
     M, N, rows_per_program, dropout_p,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -131,7 +132,7 @@ def _layer_norm_bwd_kernel(
     row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2**31
     for row in range(row_start, tl.minimum(row_start + rows_per_program, M)):
         rstd = tl.load(Rstd + row)
-        xhat, keep = _recompute_xhat(X, R, Seed, row, cols, mask, stride_x, stride_r,
+        xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r,
                                      tl.load(Mean + row), rstd, dropout_p,
                                      HAS_RESIDUAL, HAS_DROPOUT)
         g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
@@ -149,9 +150,9 @@ def _layer_norm_bwd_kernel(
         tl.store(DB + pid * N + cols, db, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])
 def _layer_norm_bwd_wide_kernel(
-    DY, DSUM, X, R, W, Mean, Rstd, Seed, DX, DR, DW, DB,
+    DY, DSUM, X, R, W, Mean, Rstd, seed, DX, DR, DW, DB,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
     M, N, rows_per_program, dropout_p,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -177,7 +178,7 @@ def _layer_norm_bwd_wide_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < N
-            xhat, keep = _recompute_xhat(X, R, Seed, row, cols, mask, stride_x, stride_r, mean,
+            xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean,
                                          rstd, dropout_p, HAS_RESIDUAL, HAS_DROPOUT)
             g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:  # each thread rereads what it wrote, in the same layout
@@ -192,7 +193,7 @@ def _layer_norm_bwd_wide_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < N
-            xhat, keep = _recompute_xhat(X, R, Seed, row, cols, mask, stride_x, stride_r, mean,
+            xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean,
                                          rstd, dropout_p, HAS_RESIDUAL, HAS_DROPOUT)
             g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_WEIGHT:
@@ -200,6 +201,30 @@ def _layer_norm_bwd_wide_kernel(
             ds = (g - (xhat * sum_g_xhat + sum_g) / N) * rstd
             _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
                                stride_dx, dropout_p, HAS_DSUM, STORE_DRESIDUAL, HAS_DROPOUT)
+
+
+@triton.jit
+def _layer_norm_dwdb_kernel(DW_PARTIAL, DB_PARTIAL, DW, DB, programs, N,
+                            HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_N: tl.constexpr):
+    """dW = sum over programs of dW[program], dB likewise, for BLOCK_N columns: both in one
+    launch, summed in program order (deterministic)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for p in range(0, programs):
+        if HAS_WEIGHT:
+            dw += tl.load(DW_PARTIAL + p * N + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            db += tl.load(DB_PARTIAL + p * N + cols, mask=mask, other=0.0)
+    if HAS_WEIGHT:
+        tl.store(DW + cols, dw, mask=mask)
+    if HAS_BIAS:
+        tl.store(DB + cols, db, mask=mask)
+
+
+DWDB_BLOCK = 256  # columns per program of the dW/dB sum
 
 
 def _num_warps(block_n: int) -> int:
@@ -234,7 +259,7 @@ def separate_dresidual(x: torch.Tensor, residual: torch.Tensor | None, dropout_p
 
 def layer_norm_residual_forward(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-    bias: torch.Tensor | None, seed: torch.Tensor | None, eps: float, dropout_p: float,
+    bias: torch.Tensor | None, seed: int, eps: float, dropout_p: float,
     return_residual: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, sum or empty, mean, rstd) for 2-D x and residual with unit column stride."""
@@ -259,7 +284,7 @@ def layer_norm_residual_forward(
 
 def layer_norm_residual_backward(
     dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
-    weight: torch.Tensor | None, has_bias: bool, seed: torch.Tensor | None, mean: torch.Tensor,
+    weight: torch.Tensor | None, has_bias: bool, seed: int, mean: torch.Tensor,
     rstd: torch.Tensor, dropout_p: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dresidual or empty, fp32 dweight or empty, fp32 dbias or empty) for contiguous dy
@@ -281,7 +306,14 @@ def layer_norm_residual_backward(
         HAS_DROPOUT=dropout_p > 0, HAS_DSUM=dsum is not None, STORE_DRESIDUAL=store_dr,
         BLOCK_N=block_n, num_warps=num_warps,
     )
-    return dx, dr, dw.sum(0) if weight is not None else dw, db.sum(0) if has_bias else db
+    if weight is None and not has_bias:
+        return dx, dr, dw, db
+    dw_sum, db_sum = (t.new_empty(N) if t.numel() else t for t in (dw, db))
+    _layer_norm_dwdb_kernel[(triton.cdiv(N, DWDB_BLOCK),)](
+        dw, db, dw_sum, db_sum, programs, N, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
+        BLOCK_N=DWDB_BLOCK, num_warps=2,
+    )
+    return dx, dr, dw_sum, db_sum
 
 
 def forward_bytes(
@@ -315,13 +347,13 @@ def compile_configs() -> list[dict]:
     """Every (kernel, block size, warps) the launchers pick, all features on (most registers)."""
     fwd_signature = {
         "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16", "B": "*fp32:16", "Y": "*fp16:16", "S": "*fp16:16",
-        "Mean": "*fp32:16", "Rstd": "*fp32:16", "Seed": "*i64:16",
+        "Mean": "*fp32:16", "Rstd": "*fp32:16", "seed": "i64",
         "stride_x": "i32:16", "stride_r": "i32:16", "stride_y": "i32:16", "stride_s": "i32:16",
         "N": "i32", "eps": "fp32", "dropout_p": "fp32",
     }
     bwd_signature = {
         "DY": "*fp16:16", "DSUM": "*fp16:16", "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16",
-        "Mean": "*fp32:16", "Rstd": "*fp32:16", "Seed": "*i64:16", "DX": "*fp16:16", "DR": "*fp16:16",
+        "Mean": "*fp32:16", "Rstd": "*fp32:16", "seed": "i64", "DX": "*fp16:16", "DR": "*fp16:16",
         "DW": "*fp32:16", "DB": "*fp32:16",
         "stride_dy": "i32:16", "stride_dsum": "i32:16", "stride_x": "i32:16", "stride_r": "i32:16",
         "stride_dx": "i32:16", "stride_dr": "i32:16",
@@ -341,6 +373,10 @@ def compile_configs() -> list[dict]:
     kernel, block_n, num_warps = _bwd_config(MAX_FEATURES)
     launches.append(("layer_norm_bwd_wide", kernel, bwd_signature,
                      dict(bwd_flags, BLOCK_N=block_n), num_warps))
+    dwdb_signature = {"DW_PARTIAL": "*fp32:16", "DB_PARTIAL": "*fp32:16", "DW": "*fp32:16",
+                      "DB": "*fp32:16", "programs": "i32", "N": "i32"}
+    launches.append(("layer_norm_dwdb", _layer_norm_dwdb_kernel, dwdb_signature,
+                     dict(HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_N=DWDB_BLOCK), 2))
     return [
         dict(
             name=f"{name}_N{constexprs['BLOCK_N']}", fn=fn,

@@ -38,18 +38,17 @@ def _layer_norm_residual_fwd(
     return_residual: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, sum or empty, mean, rstd) for 2-D x and residual with unit column stride."""
-    return kernels.layer_norm_residual_forward(x, residual, weight, bias, seed, eps, dropout_p,
-                                               return_residual)
+    return kernels.layer_norm_residual_forward(x, residual, weight, bias, _seed_value(seed), eps,
+                                               dropout_p, return_residual)
 
 
 @_layer_norm_residual_fwd.register_kernel("cpu")
 def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual):
     if _impl(x, residual, weight, bias) == "triton-interpreter":  # the one override
-        return kernels.layer_norm_residual_forward(x, residual, weight, bias, seed, eps,
-                                                   dropout_p, return_residual)
+        return kernels.layer_norm_residual_forward(x, residual, weight, bias, _seed_value(seed),
+                                                   eps, dropout_p, return_residual)
     return torch.ops.fastattn.cpu_layer_norm_residual_fwd(
-        x, residual, weight, bias, 0 if seed is None else int(seed), eps, dropout_p,
-        return_residual,
+        x, residual, weight, bias, _seed_value(seed), eps, dropout_p, return_residual,
     )
 
 
@@ -80,7 +79,8 @@ def _layer_norm_residual_bwd(
     """(dx, dresidual or empty, fp32 dweight or empty, fp32 dbias or empty); dresidual is empty
     when it equals dx (custom ops may not return aliases)."""
     return kernels.layer_norm_residual_backward(dy.contiguous(), _contiguous(dsum), x, residual,
-                                                weight, has_bias, seed, mean, rstd, dropout_p)
+                                                weight, has_bias, _seed_value(seed), mean, rstd,
+                                                dropout_p)
 
 
 @_layer_norm_residual_bwd.register_kernel("cpu")
@@ -88,10 +88,9 @@ def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p):
     dy, dsum = dy.contiguous(), _contiguous(dsum)
     if _impl(x, residual, weight) == "triton-interpreter":
         return kernels.layer_norm_residual_backward(dy, dsum, x, residual, weight, has_bias,
-                                                    seed, mean, rstd, dropout_p)
+                                                    _seed_value(seed), mean, rstd, dropout_p)
     return torch.ops.fastattn.cpu_layer_norm_residual_bwd(
-        dy, dsum, x, residual, weight, has_bias, 0 if seed is None else int(seed), mean, rstd,
-        dropout_p,
+        dy, dsum, x, residual, weight, has_bias, _seed_value(seed), mean, rstd, dropout_p,
     )
 
 
@@ -154,9 +153,15 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def _draw_seed(device: torch.device) -> torch.Tensor:
-    """A fresh dropout seed from torch's generator for `device`, kept on the device (no sync)."""
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+def _draw_seed() -> torch.Tensor:
+    """A fresh dropout seed from torch's default CPU generator (torch.manual_seed reproduces it),
+    kept on the CPU for every device: kernels take it by value, so a GPU op neither launches a
+    kernel to draw it nor synchronises to read it (as attention's (seed, offset) pair)."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
+
+
+def _seed_value(seed: torch.Tensor | None) -> int:
+    return 0 if seed is None else int(seed)  # a CPU tensor: no sync
 
 
 @torch.library.custom_op("fastattn::seeded_dropout", mutates_args=(), device_types="cpu")
@@ -197,7 +202,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.dropout(x, p, training)
     if implementation("dropout", x.device, x.dtype) == "fastattn._C":
-        return seeded_dropout(x.float(), _draw_seed(x.device), p).to(x.dtype)
+        return seeded_dropout(x.float(), _draw_seed(), p).to(x.dtype)
     return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
 
 
@@ -268,7 +273,7 @@ def layer_norm_residual(
             f"layer_norm_residual's Triton kernel supports at most {MAX_FEATURES} features per "
             f"row, got {N}"
         )
-    seed = _draw_seed(x.device) if dropout_p > 0 else None
+    seed = _draw_seed() if dropout_p > 0 else None
     y, s, _, _ = _layer_norm_residual_fwd(
         _rows(x), _rows(residual), _contiguous(weight), _contiguous(bias), seed, eps, dropout_p,
         return_residual,
