@@ -13,6 +13,8 @@ PyTorch paths, the reference) is fastattn.ops.attention.
 - dropout_p: the kernels draw the keep mask as they go from Philox with a (seed, offset) pair,
   and the backward regenerates the same mask.
 - A query row that may attend to no key returns zeros and passes zero gradients.
+- Q, K, V are read with their strides; O, dQ, dK, dV are written (and dO read) as (B, L, H, D)
+  in memory, the projections' layout, so heads split and merge as views (heads_last_empty).
 
 Sections, top to bottom: the Triton kernels, their block-size table, the launchers.
 """
@@ -42,6 +44,13 @@ def _block_and_head(blocks_per_head):
     which B x H alone can pass (4,097 one-token sentences x 16 heads)."""
     pid = tl.program_id(0)
     return pid % blocks_per_head, pid // blocks_per_head
+
+
+@triton.jit
+def _heads_last(b, h, rows, L, H, HEAD_DIM: tl.constexpr):
+    """Offsets of `rows` of (batch b, head h) in a contiguous (B, L, H, HEAD_DIM) tensor, the
+    layout of every result (and of dOut): its heads merge to (B, L, H·HEAD_DIM) as a view."""
+    return (b * L * H + h) * HEAD_DIM + rows.to(tl.int64) * (H * HEAD_DIM)
 
 
 @triton.jit
@@ -185,24 +194,27 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
         out = out * (1.0 / (1.0 - dropout_p))
     lse = tl.where(empty, float("inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     row_ok = offs_m < Lq
-    o_ptrs = Out + (bh.to(tl.int64) * Lq + offs_m[:, None]) * HEAD_DIM + offs_d[None, :]
+    o_ptrs = Out + _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM) + offs_d[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
     tl.store(Lse + bh.to(tl.int64) * Lq + offs_m, lse, mask=row_ok)
 
 
 @triton.jit
-def _attn_bwd_delta(Out, dOut, Delta, n_rows, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _attn_bwd_delta(Out, dOut, Delta, H, Lq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr):
     """Delta_i = sum_d dO_id * O_id = sum_j P_ij dP_ij (with dropout too), the row term of the
-    softmax gradient dS = P * (dP - Delta). Out and dOut are contiguous (rows, HEAD_DIM)."""
-    offs_m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    softmax gradient dS = P * (dP - Delta), for BLOCK_M query rows of one (batch, head)."""
+    pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    ptrs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    mask = (offs_m[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    ptrs = _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM) + offs_d[None, :]
+    mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(Out + ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(dOut + ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + offs_m, tl.sum(o * do, 1), mask=offs_m < n_rows)
+    tl.store(Delta + bh.to(tl.int64) * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
 
 
 @triton.jit
@@ -234,7 +246,6 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
                 mask=kv_mask, other=0.0)
     q_base = Q + b * stride_qb + h * stride_qh
     row0 = bh.to(tl.int64) * Lq
-    do_base = dOut + row0 * HEAD_DIM
     mask_ptr = Mask + b * stride_mb + h * stride_mh
     cols = offs_n[:, None]
 
@@ -248,8 +259,8 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
         q_mask = (rows < Lq) & (offs_d[:, None] < HEAD_DIM)
         q_t = tl.load(q_base + rows.to(tl.int64) * stride_qm + offs_d[:, None], mask=q_mask,
                       other=0.0)
-        do = tl.load(do_base + rows.T.to(tl.int64) * HEAD_DIM + offs_d[None, :], mask=q_mask.T,
-                     other=0.0)
+        do = tl.load(dOut + _heads_last(b, h, rows.T, Lq, H, HEAD_DIM) + offs_d[None, :],
+                     mask=q_mask.T, other=0.0)
         lse = tl.load(Lse + row0 + start_m + offs_m, mask=start_m + offs_m < Lq,
                       other=float("inf")) * 1.4426950408889634
         delta = tl.load(Delta + row0 + start_m + offs_m, mask=start_m + offs_m < Lq, other=0.0)
@@ -269,7 +280,7 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
         dv += tl.dot(p_drop_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
-    out_ptrs = (bh.to(tl.int64) * Lk + offs_n[:, None]) * HEAD_DIM + offs_d[None, :]
+    out_ptrs = _heads_last(b, h, offs_n[:, None], Lk, H, HEAD_DIM) + offs_d[None, :]
     tl.store(dK + out_ptrs, (dk * sm_scale).to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dV + out_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
 
@@ -296,8 +307,8 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
     q_mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
                 + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(dOut + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :], mask=q_mask,
-                 other=0.0)
+    do = tl.load(dOut + _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM) + offs_d[None, :],
+                 mask=q_mask, other=0.0)
     lse = tl.load(Lse + row0 + offs_m, mask=offs_m < Lq, other=float("inf")) * 1.4426950408889634
     delta = tl.load(Delta + row0 + offs_m, mask=offs_m < Lq, other=0.0)
     k_base = K + b * stride_kb + h * stride_kh
@@ -327,7 +338,7 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
-    tl.store(dQ + (row0 + offs_m[:, None]) * HEAD_DIM + offs_d[None, :],
+    tl.store(dQ + _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM) + offs_d[None, :],
              (dq * sm_scale).to(dQ.dtype.element_ty), mask=q_mask)
 
 
@@ -508,15 +519,26 @@ def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def heads_last_empty(x: torch.Tensor) -> torch.Tensor:
+    """An empty (B, H, L, D) like x, stored as a contiguous (B, L, H, D) (see the top)."""
+    b, h, length, d = x.shape
+    return x.new_empty((b, length, h, d)).transpose(1, 2)
+
+
+def heads_last(x: torch.Tensor) -> torch.Tensor:
+    """x in heads_last_empty's layout: itself if it is (merged heads' gradients are), a copy."""
+    return x if x.transpose(1, 2).is_contiguous() else heads_last_empty(x).copy_(x)
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       attn_mask: torch.Tensor | None, rng: torch.Tensor | None, causal: str | None,
                       dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out (B, H, Lq, D) contiguous, fp32 log-sum-exp (B, H, Lq)); rng: int64 (seed, offset)
+    """(out (B, H, Lq, D) heads-last, fp32 log-sum-exp (B, H, Lq)); rng: int64 (seed, offset)
     on the CPU when dropout_p > 0."""
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    out = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
+    out = heads_last_empty(q)
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
@@ -536,19 +558,17 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, attn_mask: torch.Tensor | None,
                        rng: torch.Tensor | None, causal: str | None, dropout_p: float,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), contiguous, for the forward's out and lse."""
+    """(dq, dk, dv), laid out heads-last, for the forward's out (heads-last) and lse."""
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
-    grad_out = grad_out.contiguous()
+    grad_out = heads_last(grad_out)
     b, h, lq, d = q.shape
     lk = k.shape[2]
     delta = torch.empty_like(lse)
     delta_rows = DELTA_TILE // _block_d(d)
-    _attn_bwd_delta[(triton.cdiv(b * h * lq, delta_rows),)](
-        out, grad_out, delta, b * h * lq, HEAD_DIM=d, BLOCK_D=_block_d(d),
+    _attn_bwd_delta[(triton.cdiv(lq, delta_rows) * b * h,)](
+        heads_last(out), grad_out, delta, h, lq, HEAD_DIM=d, BLOCK_D=_block_d(d),
         BLOCK_M=delta_rows)
-    dq = torch.empty((b, h, lq, d), dtype=q.dtype, device=q.device)
-    dk = torch.empty((b, h, lk, d), dtype=k.dtype, device=q.device)
-    dv = torch.empty((b, h, lk, d), dtype=v.dtype, device=q.device)
+    dq, dk, dv = heads_last_empty(q), heads_last_empty(k), heads_last_empty(v)
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -299,15 +299,21 @@ def test_native_cpu_attention_dropout(lq, lk, d, causal, mask_name, dtype):
                              atol=2e-5 if dtype == torch.float32 else 1e-3)
 
 
-@pytest.mark.skipif(not NATIVE, reason=NATIVE_REASON)
+@pytest.mark.skipif(not (NATIVE or INTERPRETED), reason=NATIVE_REASON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_results_merge_heads_without_a_copy(seeded, dtype):
-    """fastattn._C writes out, dq, dk and dv laid out as (B, L, H, D), so the (B, L, H·D) the
-    projections read is a view; the values are the reference's (test_native_cpu_attention)."""
+@pytest.mark.parametrize("grad_layout", ["heads-last", "contiguous"])
+def test_results_merge_heads_without_a_copy(seeded, dtype, grad_layout):
+    """fastattn._C and the Triton kernels write out, dq, dk and dv laid out as (B, L, H, D), so
+    the (B, L, H·D) the projections read is a view (no copy on a GPU either); a grad_out in
+    another layout is read as well (against the reference)."""
     q, k, v = (x.requires_grad_() for x in _inputs(17, 9, 32, dtype))
     mask = _masks(2, 3, 17, 9)["key_padding"]
-    out, *grads = _run(attention, q, k, v, torch.randn_like(q), attn_mask=mask, causal=True)
-    for name, x in zip(("out", "dq", "dk", "dv"), (out, *grads), strict=True):
+    grad_out = torch.randn(2, 17, 3, 32, dtype=dtype).transpose(1, 2)
+    if grad_layout == "contiguous":
+        grad_out = grad_out.contiguous()
+    ours = _check_against_reference(q, k, v, attn_mask=mask, causal=True, grad_out=grad_out,
+                                    atol=2e-5 if dtype == torch.float32 else 1e-3)
+    for name, x in zip(("out", "dq", "dk", "dv"), ours, strict=True):
         assert x.transpose(1, 2).is_contiguous(), name
         merged = x.transpose(1, 2).flatten(2)
         assert merged.data_ptr() == x.data_ptr() and merged._base is not None, name

@@ -135,18 +135,9 @@ def _(q, k, v, attn_mask, rng, causal, dropout_p, scale, impl):
     return _attention_forward_native(q, k, v, attn_mask, rng, causal, dropout_p, scale)
 
 
-def _empty_result(x: torch.Tensor, impl: str) -> torch.Tensor:
-    """An empty (B, H, L, D) like x, laid out as `impl` lays out its results: fastattn._C
-    writes (B, L, H, D), whose heads merge to (B, L, H·D) as a view; Triton writes contiguous."""
-    b, h, length, d = x.shape
-    if impl == "fastattn._C":
-        return x.new_empty((b, length, h, d)).transpose(1, 2)
-    return x.new_empty((b, h, length, d))
-
-
 @_attention_forward_op.register_fake
 def _(q, k, v, attn_mask, rng, causal, dropout_p, scale, impl):
-    return _empty_result(q, impl), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return kernels.heads_last_empty(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.custom_op("fastattn::attention_backward", mutates_args=(), device_types="cuda")
@@ -172,7 +163,7 @@ def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, imp
 
 @_attention_backward_op.register_fake
 def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl):
-    return _empty_result(q, impl), _empty_result(k, impl), _empty_result(v, impl)
+    return tuple(kernels.heads_last_empty(x) for x in (q, k, v))
 
 
 def _setup_context(ctx, inputs, output):
