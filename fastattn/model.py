@@ -23,7 +23,14 @@ from fastattn.decoding import DecodingState
 from fastattn.modules import ResidualLayerNorm
 from fastattn.rdrop import linear_rdrop_loss
 from fastattn.search import BeamSearchSetup, Hypothesis, LengthPenalty, beam_search
-from fastattn.tokens import check_loss_args, check_token_range, check_tokens, range_checked
+from fastattn.tokens import (
+    check_loss_args,
+    check_token_range,
+    check_tokens,
+    non_padding,
+    range_checked,
+    rows,
+)
 
 # DecodingState lives in fastattn.decoding; it stays importable from here.
 __all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
@@ -398,8 +405,7 @@ class Transformer(nn.Module):
     Training: ``model.loss(src, tgt_in, tgt_out)`` (the fused projection + label-smoothed loss,
     full logits never exist). Inference: ``model(src, tgt_in)`` gives logits; for search,
     ``state = model.start_decoding(src)`` then ``model.decode_step(tokens, state)`` per position
-    and ``state.reorder(rows)`` between steps (see start_decoding).
-    """
+    and ``state.reorder(rows)`` between steps (see start_decoding)."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -407,8 +413,7 @@ class Transformer(nn.Module):
         self.embedding = Embedding(cfg)
         self.encoder = Stack(cfg, EncoderLayer, cfg.encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.decoder_layers)
-        # fastattn.decoding.native_decoder_weights' cache: per precision, the parameter versions
-        # the weights were built from and the weights.
+        # decoding.native_decoder_weights' cache: precision -> (parameter versions, weights).
         self._decoder_weights: dict[str, tuple[tuple, decoding.NativeWeights]] = {}
         for name, p in self.named_parameters():
             if name.endswith(".weight") and p.dim() == 2 and not name.startswith("embedding"):
@@ -453,35 +458,37 @@ class Transformer(nn.Module):
         return weight if self.cfg.output_size == len(weight) else weight[:self.cfg.output_size]
 
     def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, reduction: str = "mean",
-             return_nll: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+             return_nll: bool = False, tokens: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """The label-smoothed cross-entropy (ε_ls from the config) of tgt_out (B, T), tgt_in
         shifted by one, over its non-padding tokens: "mean" per token or "sum". Projection and
         loss are one fused op, so the (tokens × vocabulary) logits are never materialised.
         With return_nll, also the unsmoothed negative log-likelihood reduced the same way
-        (without gradient; exp of its mean is the perplexity)."""
+        (without gradient; exp of its mean is the perplexity). `tokens`: tgt_out's non-padding
+        count if known, which spares a GPU a host sync (fastattn.tokens.non_padding)."""
         check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
         hidden = self.decode(tgt_in, *self.encode(src))
-        real = tgt_out != self.cfg.pad_id  # padding costs no projection
+        real = non_padding(tgt_out, self.cfg.pad_id, tokens)  # padding costs no projection
         return ops.linear_cross_entropy(
-            hidden[real], self.output_weight, tgt_out[real],
+            rows(hidden, real), self.output_weight, rows(tgt_out, real),
             smoothing=self.cfg.label_smoothing, reduction=reduction, return_nll=return_nll,
         )
 
     def rdrop_loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, alpha: float, *,
-                   reduction: str = "mean", return_nll: bool = False
+                   reduction: str = "mean", return_nll: bool = False, tokens: int | None = None
                    ) -> Tensor | tuple[Tensor, Tensor]:
         """R-Drop (Liang et al., 2021): the batch passes through the model twice, under
         different dropout masks, and the loss per target token is the mean of the two passes'
         label-smoothed cross-entropies (as in loss()) plus α/4 · (KL(p1‖p2) + KL(p2‖p1)) of
-        their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL."""
+        their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL;
+        `tokens` as in loss()."""
         check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
         hidden = self.decode(torch.cat([tgt_in, tgt_in]), *self.encode(torch.cat([src, src])))
-        real = tgt_out != self.cfg.pad_id
-        h1, h2 = (h[real] for h in hidden.chunk(2))
-        loss, nll = linear_rdrop_loss(h1, h2, self.output_weight, tgt_out[real],
+        real = non_padding(tgt_out, self.cfg.pad_id, tokens)
+        h1, h2 = (rows(h, real) for h in hidden.chunk(2))
+        loss, nll = linear_rdrop_loss(h1, h2, self.output_weight, rows(tgt_out, real),
                                       smoothing=self.cfg.label_smoothing, alpha=alpha)
         if reduction == "mean":
-            count = real.sum().clamp(min=1)
+            count = max(len(real), 1)
             loss, nll = loss / count, nll / count
         return (loss, nll) if return_nll else loss
 

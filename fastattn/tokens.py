@@ -1,6 +1,6 @@
 """Checks of the model's token-id arguments, with messages that name the argument, the bad id,
 its place and the vocabulary: shapes and dtypes always, the id range where it costs no device
-sync (range_checked)."""
+sync (range_checked); and the non-padding positions the loss projects (non_padding)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,26 @@ from torch import Tensor
 
 # What each checked argument holds, for the messages.
 _TOKEN_KINDS = {"src": "source", "tgt_in": "target input", "tokens": "decoder input"}
+
+
+def non_padding(tokens: Tensor, pad_id: int, count: int | None = None) -> Tensor:
+    """The flat positions of the non-padding ids of tokens (B, T), in order. Boolean indexing or
+    nonzero makes a GPU's host wait to learn the output size; with the count known (train_step
+    counts it on the host batch) nonzero_static needs no wait. A wrong count raises ValueError
+    where checking costs no sync (range_checked); on a GPU, a count too high trips a device-side
+    index check where the positions are used, one too low drops the last tokens."""
+    real = tokens.reshape(-1) != pad_id
+    if count is None:
+        return real.nonzero().squeeze(1)
+    if range_checked(tokens) and int(real.sum()) != count:
+        raise ValueError(f"tokens={count}, but the targets hold {int(real.sum())} non-padding "
+                         "tokens")
+    return torch.nonzero_static(real, size=count).squeeze(1)
+
+
+def rows(x: Tensor, positions: Tensor) -> Tensor:
+    """x (B, T, ...) -> its rows (N, ...) at flat positions of the (B·T) grid."""
+    return x.flatten(0, 1).index_select(0, positions)
 
 
 def range_checked(tokens: Tensor) -> bool:

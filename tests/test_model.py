@@ -325,6 +325,31 @@ def test_fused_loss_equals_label_smoothed_cross_entropy_of_logits(reduction):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("rdrop", [False, True])
+def test_loss_with_the_token_count_is_the_same_to_the_bit(rdrop):
+    """tokens= (the non-padding count train_step knows from the host batch, which spares a GPU
+    its host sync) changes nothing: loss, NLL and every gradient equal to the bit; a wrong
+    count is named (on CPU, where checking it costs no sync)."""
+    model = make_model(replace(TINY, dropout=0.3)).train()
+    src = pad_after(tokens(3, 6), [6, 3, 5])
+    tgt = pad_after(tokens(3, 7, seed=2), [7, 2, 4])
+    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+    count = int((tgt_out != PAD).sum())
+    loss = (lambda **kw: model.rdrop_loss(src, tgt_in, tgt_out, 2.0, return_nll=True, **kw)
+            ) if rdrop else (lambda **kw: model.loss(src, tgt_in, tgt_out, return_nll=True, **kw))
+    params = list(model.parameters())
+    results = []
+    for kwargs in ({}, {"tokens": count}):
+        torch.manual_seed(5)
+        value, nll = loss(**kwargs)
+        results.append((value, nll, *torch.autograd.grad(1.7 * value, params)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for wrong in (count - 1, count + 1):
+        with pytest.raises(ValueError, match=f"tokens={wrong}, but the targets hold {count} "):
+            loss(tokens=wrong)
+
+
 def test_output_vocabulary_is_the_first_rows_of_the_tied_embedding():
     """With output_vocab_size n, the softmax ranges over ids [0, n) and the sources over all:
     logits, loss and gradients are those of the full model with its logits cut to the first n

@@ -50,21 +50,23 @@ def train_step(
     device = next(model.parameters()).device
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
-    local_tokens = sum(int((b[2] != data.PAD_ID).sum()) for b in batches)
-    counts = torch.tensor([float(local_tokens)], dtype=torch.float64, device=device)
-    if distributed:
+    # Counted on the host batches, before their copy: no device sync.
+    batch_tokens = [int((b[2] != data.PAD_ID).sum()) for b in batches]
+    total_tokens = sum(batch_tokens)
+    if distributed:  # the loss scale needs every rank's count: one sync per update under DDP
+        counts = torch.tensor([float(total_tokens)], dtype=torch.float64, device=device)
         dist.all_reduce(counts)
-    total_tokens = int(counts.item())
+        total_tokens = int(counts.item())
     normaliser = total_tokens / world  # DDP averages over ranks: undo that with the world size
 
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll
-    for i, batch in enumerate(batches):
+    for i, (batch, tokens) in enumerate(zip(batches, batch_tokens, strict=True)):
         batch = tuple(t.to(device, non_blocking=True) for t in batch)
         last = i == len(batches) - 1
         sync = model.no_sync() if distributed and not last else contextlib.nullcontext()
         with sync:
             with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
-                loss, nll = model(*batch)
+                loss, nll = model(*batch, tokens=tokens)
             scaled = loss / normaliser
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         sums += torch.stack([loss.detach(), nll.detach()]).double()
@@ -74,10 +76,9 @@ def train_step(
     if scaler is not None:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = float(
-        torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else math.inf)
-    )
-    loss_sum, nll_sum = sums.tolist()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else math.inf)
+    # The update's one host read (a GPU's only sync outside DDP), before the optimiser's step.
+    loss_sum, nll_sum, grad_norm = torch.cat([sums, grad_norm.double().reshape(1)]).tolist()
     ok = math.isfinite(grad_norm) and math.isfinite(loss_sum)
     if scaler is not None:
         scaler.step(optimizer)  # skips the update itself when it found inf/NaN gradients
@@ -99,8 +100,11 @@ class LossModule(torch.nn.Module):
         self.model = model
         self.rdrop = rdrop
 
-    def forward(self, source: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor):
+    def forward(self, source: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
+                tokens: int | None = None):
+        """`tokens`: the batch's non-padding targets, if known (Transformer.loss)."""
         if self.rdrop:
             return self.model.rdrop_loss(source, inputs, targets, self.rdrop, reduction="sum",
-                                         return_nll=True)
-        return self.model.loss(source, inputs, targets, reduction="sum", return_nll=True)
+                                         return_nll=True, tokens=tokens)
+        return self.model.loss(source, inputs, targets, reduction="sum", return_nll=True,
+                               tokens=tokens)
