@@ -288,22 +288,32 @@ def step_targets(benchmarks: list[dict], env: dict) -> str:
 # --- projection ------------------------------------------------------------------------------
 
 
+# Host time per eager kernel launch (PyTorch's dispatch plus the CUDA launch), the issue's range.
+LAUNCH_SECONDS = (5e-6, 10e-6)
+
+
 def projection() -> str:
-    """Roofline lower bounds of the step time on GPUs, from the cost model (not measured)."""
+    """Roofline lower bounds of the step time on GPUs, from the cost model, and the bound the
+    host's launches set on the mixed-precision step (benchmarks.launches; not measured)."""
+    from benchmarks import launches
     from benchmarks.gpus import GPUS
     from benchmarks.step_cost import (
         PAPER_BATCH,
         PAPER_STEP_SECONDS,
+        SENTENCES,
+        SRC_LEN,
         model_flop,
         paper_shape,
         roofline_seconds,
     )
 
     shapes = {name: paper_shape(name) for name in ("base", "big")}
+    counted = {name: launches.trace(name, SENTENCES, SRC_LEN, s.vocab)["launches"]
+               for name, s in shapes.items()}
     rows = []
     for gpu in GPUS:
         row = [gpu.name]
-        for shape in shapes.values():
+        for name, shape in shapes.items():
             fp32 = roofline_seconds(
                 shape,
                 matmul_flop_per_s=gpu.fp32,
@@ -318,21 +328,31 @@ def projection() -> str:
                 bytes_per_s=gpu.bandwidth,
                 e=2,
             )
-            row += [seconds(fp32), f"{seconds(half)} ({gpu.half_dtype})"]
+            # The host enqueues while the GPU runs (one sync per update): the slower one bounds.
+            low, high = (max(half, counted[name] * t) for t in LAUNCH_SECONDS)
+            bound = seconds(low) if low == high else f"{seconds(low)} to {seconds(high)}"
+            row += [seconds(fp32), f"{seconds(half)} ({gpu.half_dtype})", bound]
         rows.append(row)
-    header = ["GPU"] + [f"{n} {p}" for n in shapes for p in ("fp32", "mixed")]
+    header = ["GPU"] + [f"{n} {p}" for n in shapes
+                        for p in ("fp32", "mixed", "mixed with launches")]
     flops = ", ".join(
         f"{n} {model_flop(s) / 1e12:.2f} TFLOP per step (the paper's {PAPER_STEP_SECONDS[n]} s "
         f"on a P100 means {model_flop(s) / PAPER_STEP_SECONDS[n] / GPUS[0].fp32:.0%} of its fp32 "
         "peak)"
         for n, s in shapes.items()
     )
+    counts = ", ".join(f"{n} {c:,}" for n, c in counted.items())
     return (
         "**Projection, not a measurement.** Lower bounds on one training step at the paper's "
         f"per-GPU batch ({PAPER_BATCH}), from the op-by-op FLOP and bytes of "
         "`benchmarks/step_cost.py`: each op at the slower of peak compute and peak bandwidth "
-        "(published dense figures in `benchmarks/gpus.py`), no launch overhead, no "
-        "communication. Real steps take longer; no GPU was used to produce this table. "
+        "(published dense figures in `benchmarks/gpus.py`), no communication. \"mixed with "
+        "launches\" bounds the mixed-precision step by the host as well: the kernel launches of "
+        f"one bf16 update that `python -m benchmarks.launches` counts ({counts}) at "
+        f"{LAUNCH_SECONDS[0] * 1e6:.0f} to {LAUNCH_SECONDS[1] * 1e6:.0f} µs of eager dispatch "
+        "each, overlapped with the GPU's work (the step syncs once, at its end). The paper: "
+        f"{PAPER_STEP_SECONDS['base']} s (base) and {PAPER_STEP_SECONDS['big']} s (big) per step "
+        "on 8 P100s. Real steps take longer; no GPU was used to produce this table. "
         f"Model FLOPs: {flops}.\n\n" + table(header, rows)
     )
 
@@ -468,7 +488,7 @@ def render(results: dict, compile_rows: list[dict] | None, compile_problem: str)
         lines += ["### Attention memory as the sequence grows", "", growth, ""]
     for section in measured_tables(benchmarks):
         lines += [section, ""]
-    lines += ["## Projected (not measured): roofline step time on GPUs", "", projection(), ""]
+    lines += ["## Projected (not measured): step time on GPUs", "", projection(), ""]
     lines += ["## Static GPU compile report (not measured: compiled, never run)", ""]
     lines += [
         compile_summary(compile_rows) if compile_rows else f"Not available: {compile_problem}"
