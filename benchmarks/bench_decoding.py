@@ -26,9 +26,10 @@ shipped model is an ensemble); otherwise the ensemble is the model twice.
 Precisions: fp32 against CTranslate2's float32, int8 against its int8 (fastattn's
 `precision="int8"`), bf16 against its bfloat16; fastattn's cells run for the precisions
 fastattn.decoding.PRECISIONS lists, CTranslate2's for those it supports on this CPU
-(ctranslate2.get_supported_compute_types). The 1-minute load average before and after each cell
-goes into the results: CTranslate2's OpenMP threads collapse when another process shares the
-cores, and the report says when a run was not quiet.
+(ctranslate2.get_supported_compute_types). Each row records the CPU time other processes took
+while it ran (the machine's busy time in /proc/stat less this process's own, which holds every
+worker and CTranslate2 thread): CTranslate2's OpenMP threads collapse when another process
+shares the cores, and the report says when a run was not quiet.
 
 Duration: a full run (FASTATTN_BENCH_QUICK unset) takes about 10 minutes on 2 quiet cores, and
 should stay under 16. d512-6+6 is most of it: 128 sentences at batch 64, 32 at 16 and 8 at 1,
@@ -195,10 +196,22 @@ def share_same(ours: list[list[str]], theirs: list[list[str]]) -> float:
 REFERENCE_OUTPUTS: dict[tuple[str, str, int], list[list[str]]] = {}
 
 
+def busy_seconds() -> float | None:
+    """CPU seconds the whole machine has been busy since boot (/proc/stat), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def timed(benchmark, decode_all, batches, *, group: str, model: Model,
           torch_in_this_thread: bool = True, **info) -> list:
     """measure() of decode_all(batches), recording sentences/s, cores busy, the mean output
-    length and the load average around it; returns the last call's outputs. The peak memory
+    length and the cores other processes kept busy meanwhile; returns the last call's outputs.
+    The peak memory
     only where decode_all allocates with torch in this thread (torch_in_this_thread): the
     profiler sees no other thread's allocations (the workers'), and none of CTranslate2's."""
     last, clock = {}, {"cpu": 0.0, "wall": 0.0}
@@ -210,13 +223,14 @@ def timed(benchmark, decode_all, batches, *, group: str, model: Model,
         clock["wall"] += time.perf_counter() - wall
 
     sentences = sum(map(len, batches))
-    load_before = os.getloadavg()[0]
+    busy, own, wall = busy_seconds(), time.process_time(), time.perf_counter()
     measure(benchmark, call, group=group, min_rounds=2, sentences=sentences, beam=BEAM,
             length_penalty="pow", alpha=ALPHA, max_len=MAX_LEN, model=model.kind, **info)
     if not torch_in_this_thread:  # no figure rather than a false one
         del benchmark.extra_info["peak_memory_bytes"]
-    benchmark.extra_info["load_1min_before"] = load_before
-    benchmark.extra_info["load_1min_after"] = os.getloadavg()[0]
+    if busy is not None:  # cores' worth of CPU time others took while this row ran
+        others = busy_seconds() - busy - (time.process_time() - own)
+        benchmark.extra_info["other_cores"] = max(others, 0.0) / (time.perf_counter() - wall)
     benchmark.extra_info["cores_busy"] = clock["cpu"] / clock["wall"]
     if benchmark.stats is not None:
         benchmark.extra_info["sentences_per_s"] = sentences / benchmark.stats.stats.median

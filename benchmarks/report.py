@@ -158,6 +158,10 @@ def measured_tables(benchmarks: list[dict]) -> list[str]:
     return out
 
 
+# Other processes' CPU use, in cores, above which a decoding row counts as not quiet.
+QUIET_CORES = 0.1
+
+
 def decoding_summary(benchmarks: list[dict]) -> str | None:
     """bench_decoding's cells, (model, precision, batch): each configuration's sentences/s,
     fastattn's best against CTranslate2's best, and whether the machine was quiet."""
@@ -197,29 +201,28 @@ def decoding_summary(benchmarks: list[dict]) -> str | None:
                              for i in (ours, theirs)))
         table_rows.append(row)
 
-    loads = [load for b in rows for load in (b["extra_info"].get("load_1min_before"),
-                                             b["extra_info"].get("load_1min_after"))
-             if load is not None]
-    own = max(i["workers"] * i["threads"] for i in (b["extra_info"] for b in rows))
+    others = [b["extra_info"]["other_cores"] for b in rows if "other_cores" in b["extra_info"]]
     text = (
         "Sentences per second of each configuration (workers × threads per worker) decoding the "
         "same batches, beam 4 (see benchmarks/bench_decoding.py); the ratio sets fastattn's "
         "best configuration against CTranslate2's best in the same precision, model and batch "
         "(> 1: fastattn faster). (default): the configuration fastattn.workers.choose picks."
     )
-    if loads:
+    if others:
         text += (
-            f"\n\nThe 1-minute load average was {loads[0]:.2f} before the decoding benchmark and "
-            f"{loads[-1]:.2f} after it, at most {max(loads):.2f} around a row; its own threads: "
-            f"{own}."
+            "\n\nOther processes kept at most "
+            f"{max(others):.2f} cores busy during a row (the machine's busy CPU time from "
+            "/proc/stat less the benchmark's own), on average "
+            f"{sum(others) / len(others):.2f}."
         )
-        if max(loads) > own + 0.5:
+        if max(others) > QUIET_CORES:
             text += (
-                f"\n\n> **Not a quiet run**: the load average reached {max(loads):.2f}, more than "
-                f"0.5 above the benchmark's own {own} threads, so another process shared the "
-                "cores; CTranslate2's OpenMP threads (and fastattn's) slow down badly when the "
-                "cores are shared. Rerun on a quiet machine before quoting these ratios."
+                f"\n\n> **Not a quiet run**: other processes took up to {max(others):.2f} cores "
+                "while a row ran; CTranslate2's OpenMP threads (and fastattn's) slow down badly "
+                "when the cores are shared. Rerun on a quiet machine before quoting these ratios."
             )
+    else:
+        text += "\n\nThese results did not record whether other processes shared the cores."
     return text + "\n\n" + table(header, table_rows)
 
 
