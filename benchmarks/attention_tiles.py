@@ -15,6 +15,8 @@ import itertools
 import json
 from dataclasses import asdict
 
+import torch
+
 from fastattn.kernels import attention
 from fastattn.kernels.compile_report import compile_config
 
@@ -25,14 +27,18 @@ VARIANTS = {
     "key padding+dropout": (attention.BOOL_MASK, True, False, True),
     "causal": (attention.NO_MASK, False, True, False),  # decoder self-attention
     "causal+dropout": (attention.NO_MASK, False, True, True),
+    # The drop-in's key_padding_mask with is_causal and dropout (the model never combines them).
+    "key padding+causal+dropout": (attention.BOOL_MASK, True, True, True),
     "heaviest": (attention.BOOL_MASK, False, True, True),  # mask per query + causal + dropout
 }
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates; the first of each is the shipped d=64 one.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates besides the shipped one for the head dim
+# and architecture, which is tried first.
 TILES = {
     "_attn_fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
     "_attn_bwd_dkdv": [(64, 32, 8, 2), (32, 64, 4, 2), (64, 64, 4, 2), (32, 128, 8, 2),
                        (64, 128, 8, 2)],
-    "_attn_bwd_dq": [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2)],
+    "_attn_bwd_dq": [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3),
+                     (64, 32, 8, 3)],
 }
 
 
@@ -47,25 +53,38 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.kernel:
         fn = getattr(attention, name)
-        for d, dtype, (variant, (mask, key, causal, dropout)), tile, arch in itertools.product(
-                args.head_dim, args.dtype, VARIANTS.items(), TILES[name], args.arch):
-            block_m, block_n, warps, stages = tile
-            config = dict(
-                name=f"{name} d={d} {dtype} {variant} {tile}", fn=fn,
-                signature=attention._kernel_signature(fn, dtype, mask, d),
-                constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=block_n,
-                                MASK_KIND=mask, KEY_MASK=key, CAUSAL=causal, DROPOUT=dropout,
-                                DOT_PRECISION="tf32"),
-                num_warps=warps, num_stages=stages)
-            result = compile_config(attention.__name__, config, arch)
-            rows.append(asdict(result))
-            matmul = "wgmma" if result.wgmma else "mma" if result.mma else "-"
-            print(f"{result.name:<60} sm_{arch}  regs {result.registers:>3}  spill "
-                  f"{result.spill_bytes:>5}  {matmul}", flush=True)
+        for d, dtype, (variant, (mask, key, causal, dropout)), arch in itertools.product(
+                args.head_dim, args.dtype, VARIANTS.items(), args.arch):
+            for tile in dict.fromkeys([shipped(name, d, arch), *TILES[name]]):
+                rows.append(compile_tile(fn, name, d, dtype, variant, mask, key, causal, dropout,
+                                         tile, arch))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
+
+def shipped(name: str, head_dim: int, arch: int) -> tuple[int, int, int, int]:
+    """The tile the launchers pick for 16-bit inputs at this head dim on this architecture."""
+    table = {"_attn_fwd": attention.FWD_CONFIGS, "_attn_bwd_dq": attention.BWD_DQ_CONFIGS,
+             "_attn_bwd_dkdv": attention.SM90_BWD_DKDV_CONFIGS if arch == 90
+             else attention.BWD_DKDV_CONFIGS}[name]
+    return attention._config(table, head_dim, torch.float16)
+
+
+def compile_tile(fn, name, d, dtype, variant, mask, key, causal, dropout, tile, arch) -> dict:
+    """Compiles one (kernel, head dim, dtype, variant, tile) for arch; prints, returns its row."""
+    block_m, block_n, warps, stages = tile
+    config = dict(
+        name=f"{name} d={d} {dtype} {variant} {tile}", fn=fn,
+        signature=attention._kernel_signature(fn, dtype, mask, d),
+        constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=mask,
+                        KEY_MASK=key, CAUSAL=causal, DROPOUT=dropout, DOT_PRECISION="tf32"),
+        num_warps=warps, num_stages=stages)
+    result = compile_config(attention.__name__, config, arch)
+    matmul = "wgmma" if result.wgmma else "mma" if result.mma else "-"
+    print(f"{result.name:<60} sm_{arch}  regs {result.registers:>3}  spill "
+          f"{result.spill_bytes:>5}  {matmul}", flush=True)
+    return asdict(result)
 
 if __name__ == "__main__":
     main()

@@ -380,7 +380,7 @@ FWD_CONFIGS = {  # (block_d, element size) -> config
 }
 BWD_DKDV_CONFIGS = {
     (16, 2): (32, 64, 8, 2), (32, 2): (32, 64, 8, 2), (64, 2): (64, 32, 8, 2),
-    (128, 2): (32, 64, 8, 2), (256, 2): (32, 32, 8, 1),
+    (128, 2): (64, 32, 8, 2), (256, 2): (32, 32, 8, 1),
     (16, 4): (16, 32, 4, 2), (32, 4): (16, 32, 4, 2), (64, 4): (16, 32, 4, 2),
     (128, 4): (32, 16, 8, 2), (256, 4): (16, 32, 8, 1),
 }
@@ -390,11 +390,11 @@ BWD_DQ_CONFIGS = {
     (16, 4): (32, 32, 4, 2), (32, 4): (32, 32, 4, 2), (64, 4): (32, 32, 4, 2),
     (128, 4): (32, 32, 8, 2), (256, 4): (16, 16, 8, 1),
 }
-# Hopper takes 128 keys per dK/dV program at head dim 64 in 16 bits: 8 warps then form wgmma's
-# 64-row tiles (32 keys cannot), at 153-199 registers for the variants the model launches and 236
-# for the heaviest, without spills; on sm_80 the same tile needs 236-255, so Ampere keeps the
-# shared entry (docs/benchmark-notes.md, `python -m benchmarks.attention_tiles`).
-SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2)}
+# dK/dV in 16 bits on Hopper: at head dim 64, 128 keys per program (8 warps form wgmma's 64-row
+# tiles, 32 keys cannot; 153-236 registers, no spill), which sm_80 would need 236-255 for; at 128,
+# 64 keys (wgmma, 168-242, none), which spill 16 B on sm_80 with causal + dropout, so Ampere takes
+# 32 there (128-251, none). docs/benchmark-notes.md, `python -m benchmarks.attention_tiles`.
+SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2): (32, 64, 8, 2)}
 DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
 
 
