@@ -4,6 +4,7 @@ tables per variant and per architecture (issue 49 item 2). Compiles only (no GPU
 compilation on one core the first time (Triton caches them).
 
     python -m benchmarks.attention_tiles [--kernel _attn_bwd_dkdv] [--head-dim 64] [--json PATH]
+    python -m benchmarks.attention_tiles --kernel _attn_fwd --head-dim 256 --tile 32 32 4 2
 
 Prints one line per (kernel, head dim, dtype, variant, tile, arch).
 """
@@ -48,6 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtype", nargs="+", default=["fp16", "bf16"])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    parser.add_argument("--tile", type=int, nargs=4, action="append", metavar=("M", "N", "W", "S"),
+                        help="try this (BLOCK_M, BLOCK_N, warps, stages) instead of the list")
     parser.add_argument("--json", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     rows = []
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         fn = getattr(attention, name)
         for d, dtype, (variant, (mask, key, causal, dropout)), arch in itertools.product(
                 args.head_dim, args.dtype, VARIANTS.items(), args.arch):
-            for tile in dict.fromkeys([shipped(name, d, arch), *TILES[name]]):
+            tiles = [tuple(t) for t in args.tile] if args.tile else TILES[name]
+            for tile in dict.fromkeys([shipped(name, d, arch), *tiles]):
                 rows.append(compile_tile(fn, name, d, dtype, variant, mask, key, causal, dropout,
                                          tile, arch))
     if args.json:

@@ -362,25 +362,25 @@ def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offse
 # dim 128 keeps within 255 registers per thread on sm_80 and sm_90 without spilling:
 # - forward: 128 queries x 64 keys at D = 64 (the paper's head dim); fewer keys per tile below
 #   (a thin Q K^T leaves the score tile, the dropout bits and the mask dominating registers)
-#   and 64 x 32 above, where the (BLOCK_M, D) fp32 accumulator grows. 8 warps throughout.
+#   and 64 x 32 above, where the (BLOCK_M, D) fp32 accumulator grows (64 x 16 at 256, whose
+#   heaviest variant spilled 64 B on sm_90 at 64 x 32). 8 warps throughout.
 # - dK/dV: two (BLOCK_N, D) fp32 accumulators per program, hence narrower tiles than the dQ
 #   pass, which holds one (BLOCK_M, D) accumulator.
 # - fp32 inputs: half the tiles or less. By default (torch's allow_tf32 off) the exact fp32
 #   product runs on FMA units, with the operands in registers; with tf32 allowed, on tensor
 #   cores. Both compile without spills from the same entries.
-# Ampere and Hopper share the table except where SM90_BWD_DKDV_CONFIGS (below) differs; the
-# report shows which entries Hopper runs on wgmma.
+# Ampere and Hopper share the tables but for SM90_BWD_DKDV_CONFIGS (below); see the report.
 # ---------------------------------------------------------------------------------------------
 
 FWD_CONFIGS = {  # (block_d, element size) -> config
     (16, 2): (128, 32, 8, 3), (32, 2): (128, 32, 8, 3), (64, 2): (128, 64, 8, 3),
-    (128, 2): (64, 32, 8, 3), (256, 2): (64, 32, 8, 2),
+    (128, 2): (64, 32, 8, 3), (256, 2): (64, 16, 8, 2),
     (16, 4): (64, 32, 8, 2), (32, 4): (64, 32, 8, 2), (64, 4): (64, 32, 8, 2),
     (128, 4): (32, 32, 8, 2), (256, 4): (32, 32, 8, 1),
 }
 BWD_DKDV_CONFIGS = {
     (16, 2): (32, 64, 8, 2), (32, 2): (32, 64, 8, 2), (64, 2): (64, 32, 8, 2),
-    (128, 2): (64, 32, 8, 2), (256, 2): (32, 32, 8, 1),
+    (128, 2): (64, 32, 8, 2), (256, 2): (32, 16, 8, 1),
     (16, 4): (16, 32, 4, 2), (32, 4): (16, 32, 4, 2), (64, 4): (16, 32, 4, 2),
     (128, 4): (32, 16, 8, 2), (256, 4): (16, 32, 8, 1),
 }
