@@ -19,12 +19,12 @@ checks both):
   caller makes it too, before the workers start, and then sets its own count again once they
   have set theirs, so that its count and the one threads started later begin with stay as
   they were.
-- A set by another thread still slows a worker down although its own count reads the same: a
-  one-thread worker decoded 17 multi30k sentences/s at batch 1 after the caller set 2 again,
-  56 when it set its 1 once more (2-core Xeon, fp32; /proc showed a second thread busy for
-  it). So each worker sets its count again before every call (and map sets the caller's back
-  when it ends): two one-thread workers then decoded 101 sentences/s where they had decoded 89
-  (int8: 179 against 159).
+- A set by another thread still slows a worker down although its own count reads the same (a
+  one-thread worker ran about three times slower after the caller set its count again; another
+  thread was busy for it). So each worker sets its count again before every call, and map sets
+  the caller's back when it ends. In `python -m benchmarks.report` on a 2-core Xeon, two
+  one-thread workers then decoded 96.7 multi30k sentences/s at batch 1 where they had decoded 76
+  (BENCHMARKS.md at commits fb8cc38 and 1fae290).
 """
 
 from __future__ import annotations
