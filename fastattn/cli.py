@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import NoReturn, TextIO
+
+
+def write_line(text: str, file: TextIO | None = None) -> None:
+    """text and its newline in one write, flushed: the lines of processes sharing a pipe (an
+    ensemble's members) never interleave, where print() makes two writes once stdout is
+    unbuffered (PYTHONUNBUFFERED, common in containers and CI)."""
+    file = sys.stdout if file is None else file
+    file.write(f"{text}\n")
+    file.flush()
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -12,6 +12,7 @@ OSError the write gets, into a trainer running in this process (main()).
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import re
@@ -20,6 +21,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -570,6 +572,23 @@ def test_a_first_signal_asks_the_updates_to_stop_and_a_second_stops_at_once():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG, spawn")
+def test_a_log_line_is_one_write_so_members_sharing_stdout_never_split_each_others_lines(
+        monkeypatch):
+    # Under PYTHONUNBUFFERED print() writes the text and its newline apart: two members saving
+    # at a SIGTERM once printed "member 1: saved A.ptmember 2: saved B.pt\n\n".
+    writes = []
+
+    class Pipe(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stdout", Pipe())
+    member = types.SimpleNamespace(name="member 2", main=True, bar=None)
+    train_module.run.Run.log(member, "saved checkpoint_00000006_interrupted.pt")
+    assert writes == ["member 2: saved checkpoint_00000006_interrupted.pt\n"]
+
+
 def test_sigterm_to_an_ensemble_trained_side_by_side_saves_every_member_and_resumes_exactly(
         tmp_path):
     paths = corpus(tmp_path, lines=40)
@@ -577,7 +596,7 @@ def test_sigterm_to_an_ensemble_trained_side_by_side_saves_every_member_and_resu
     flags = ["--members", 2, "--jobs", 2, "--save-every", 50]
     command = train_command(paths, run_dir, *flags, "--max-updates", 100000)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=TORCH_OPS)
+                               text=True, env={**TORCH_OPS, "PYTHONUNBUFFERED": "1"})
     logs = [run_dir / f"member{k}" / "metrics.jsonl" for k in (1, 2)]
     wait_for(lambda: all(log.exists() and len(log.read_text().splitlines()) >= 5 for log in logs),
              process, "updates of both members")

@@ -7,6 +7,7 @@ import sys
 
 import torch.distributed as dist
 
+from fastattn.cli import write_line
 from fastattn.train import savedir, signals
 from fastattn.train.config import TrainConfig
 from fastattn.train.final import finish
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> None:
                 with one_line_errors():
                     train_and_score(args)
             except signals.Interrupted as e:  # one line, no traceback
-                print(e.message(), file=sys.stderr, flush=True)
+                write_line(e.message(), sys.stderr)
                 sys.exit(e.code)
     finally:
         if dist.is_available() and dist.is_initialized():

@@ -20,6 +20,7 @@ import torch
 
 from fastattn import checkpoint
 from fastattn._extras import MissingExtraError
+from fastattn.cli import write_line
 from fastattn.train import savedir, signals
 from fastattn.train.config import TrainConfig
 from fastattn.train.final import finish, plot_metrics, score_final
@@ -104,7 +105,7 @@ def share_precision(args: TrainConfig, members: Sequence[TrainConfig]) -> list[T
     else:
         autocast, _, why = pick_precision("auto", torch.device("cpu"))
         name = "fp32" if autocast is None else "bf16"
-    print(f"every member trains in {name} ({why})", flush=True)
+    write_line(f"every member trains in {name} ({why})")
     return [replace(member, precision=name, precision_why=why if kept else
                     "measured once for every member") for member in members]
 
@@ -150,8 +151,8 @@ def train_stints(members: Sequence[TrainConfig], stints: Sequence[Stint], job: i
             member = replace(member, resume=True)
         if int(os.environ.get("RANK", "0")) == 0:
             carry_on = f", from update {stint.start}" if stint.start else ""
-            print(f"ensemble member {k + 1} of {len(members)}: seed {member.seed}, "
-                  f"{member.save_dir}{carry_on}", flush=True)
+            write_line(f"ensemble member {k + 1} of {len(members)}: seed {member.seed}, "
+                       f"{member.save_dir}{carry_on}")
         if run is not None:
             del run
             gc.collect()

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from fastattn import checkpoint
 from fastattn._extras import MissingExtraError
+from fastattn.cli import write_line
 from fastattn.model import Transformer, TransformerConfig
 from fastattn.train import savedir, signals
 from fastattn.train.config import (
@@ -164,7 +165,7 @@ class Run:
             if self.bar is not None:
                 self.bar.write(message)  # above the progress bar, not through it
             else:
-                print(message, flush=True)
+                write_line(message)
 
     # -- state ----------------------------------------------------------------------------------
 

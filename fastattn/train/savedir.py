@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from fastattn import checkpoint, data
+from fastattn.cli import write_line
 from fastattn.train.config import TrainConfig
 
 LOCK_NAME = "train.lock"
@@ -253,12 +254,12 @@ def one_line_errors() -> Iterator[None]:
     try:
         yield
     except (data.DataError, checkpoint.CheckpointError, SaveDirError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        write_line(f"error: {e}", sys.stderr)
         sys.exit(2)
     except WriteError as e:
-        print(f"error: {e}", file=sys.stderr)
+        write_line(f"error: {e}", sys.stderr)
         sys.exit(1)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        print(f"error: {where}{checkpoint.describe(e)}", file=sys.stderr)
+        write_line(f"error: {where}{checkpoint.describe(e)}", sys.stderr)
         sys.exit(1)
