@@ -8,16 +8,19 @@ The native decoder computes in one of PRECISIONS: "fp32"; "int8", where the deco
 maps, the target embedding and the output projection use int8 weights (one scale per output
 feature) and int8 activations (one scale per row), with int32 sums (csrc/int8_linear.h); or
 "bf16", the same maps with bfloat16 weights and activations and float32 sums
-(csrc/bf16_linear.h). The encoder, attention, LayerNorm and the log-softmax stay float32.
+(csrc/bf16_linear.h). In int8 and bf16 the encoder's linear maps and the decoder's projections
+of its output into keys and values run in that precision too (native_encoder); the embeddings'
+lookups for the source, attention, LayerNorm and the log-softmax stay float32.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fastattn._native import native
 
@@ -25,9 +28,10 @@ if TYPE_CHECKING:  # for annotations only: fastattn.model imports this module
     from fastattn.model import Transformer, TransformerConfig
     from fastattn.search import BeamSearchSetup
 
-__all__ = ["DECODER_LAYER_SLOTS", "PRECISIONS", "DecodingState", "check_precision",
-           "gather_prefixes", "native_beam_search", "native_decode_step", "native_decoder_supports",
-           "native_decoder_weights", "native_embedding", "step_attention"]
+__all__ = ["DECODER_LAYER_SLOTS", "PRECISIONS", "DecodingState", "QuantizedLinear",
+           "check_precision", "encode", "gather_prefixes", "native_beam_search",
+           "native_decode_step", "native_decoder_supports", "native_decoder_weights",
+           "native_embedding", "native_encoder", "step_attention"]
 
 # The per-layer weights of fastattn::decoder_step in its order: csrc/decoder_layout.h's
 # DecoderLayerSlot, named alike (tests/test_decode_attention.py checks the two agree). Each is
@@ -104,8 +108,8 @@ def native_decoder_weights(model: Transformer, precision: str = "fp32") -> Nativ
     embedding's, which the target embedding reads too. Built once per precision and again only
     after a weight changed: in-place updates bump a tensor's _version, and Transformer.train()
     drops the copies for the updates that do not (fused optimisers)."""
-    key = tuple((p.data_ptr(), p._version) for p in model.parameters())
-    cached = model._decoder_weights.get(precision)
+    key = _weights_key(model)
+    cached = model._native_weights.get(precision)
     if cached is not None and cached[0] == key:
         return cached[1]
     layers = [dict(layer.named_parameters()) for layer in model.decoder.layers]
@@ -125,8 +129,70 @@ def native_decoder_weights(model: Transformer, precision: str = "fp32") -> Nativ
         packed = [pack(weight) for weight in linears]
         output = [pack(model.output_weight.detach())]
     weights = params, packed, output
-    model._decoder_weights[precision] = key, weights
+    model._native_weights[precision] = key, weights
     return weights
+
+
+def _weights_key(model: Transformer) -> tuple:
+    """Changes when any weight does: in-place updates bump a tensor's _version."""
+    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+
+
+class QuantizedLinear(nn.Module):
+    """An nn.Linear's map through fastattn._C's int8 kernel (weights quantized once per output
+    feature, each row of x on the fly: csrc/int8_linear.h) or bf16 kernel (bfloat16 panels):
+    x (..., in_features) float32 -> (..., out_features)."""
+
+    def __init__(self, linear: nn.Linear, precision: str) -> None:
+        super().__init__()
+        self.precision, self.out_features = precision, linear.out_features
+        weight = linear.weight.detach()
+        if precision == "int8":
+            self.packed = list(torch.ops.fastattn.quantize_linear_weight(weight))
+        else:
+            self.packed = [torch.ops.fastattn.pack_linear_weight_bf16(weight)]
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: Tensor) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self.precision == "int8":
+            y = torch.ops.fastattn.linear_int8(rows, *self.packed, self.bias)
+        else:
+            y = torch.ops.fastattn.linear_bf16(rows, self.packed[0], self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def native_encoder(model: Transformer, precision: str) -> tuple[nn.Module, list[nn.Module]]:
+    """For int8 and bf16 decoding, whose encoding should not wait on float32 products: a copy
+    of model.encoder whose linear maps are QuantizedLinear, and each decoder layer's projection
+    of the encoder output into keys and values (CrossAttention.kv) alike. Built once per
+    precision and cached like native_decoder_weights."""
+    key = _weights_key(model)
+    cached = model._native_weights.get(f"{precision} encoder")
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.inference_mode(False):  # a module, not inference tensors
+        encoder = copy.deepcopy(model.encoder).requires_grad_(False)
+    for module in list(encoder.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, QuantizedLinear(child, precision))
+    kv = [QuantizedLinear(layer.cross_attention.kv, precision) for layer in model.decoder.layers]
+    model._native_weights[f"{precision} encoder"] = key, (encoder, kv)
+    return model._native_weights[f"{precision} encoder"][1]
+
+
+def encode(model: Transformer, src: Tensor, precision: str = "fp32",
+           ) -> tuple[list[Tensor], list[Tensor], Tensor]:
+    """Decoding's start: src (B, S) -> each decoder layer's keys and values of the encoder
+    output, (B, h, S, d), and the padding mask (B, 1, 1, S); in int8 and bf16 through
+    native_encoder's maps."""
+    encoder, kv = (None, [None] * len(model.decoder.layers)) if precision == "fp32" else \
+        native_encoder(model, precision)
+    memory, mask = model.encode(src, encoder)
+    pairs = [layer.cross_attention.memory_kv(memory, projection)
+             for layer, projection in zip(model.decoder.layers, kv, strict=True)]
+    return [k for k, _ in pairs], [v for _, v in pairs], mask
 
 
 def native_embedding(model: Transformer, tokens: Tensor, state: DecodingState) -> Tensor:

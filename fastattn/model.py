@@ -270,9 +270,10 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(cfg.d_model, sum(self.split))
         self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
 
-    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """memory (B, S, d_model) -> keys (B, h, S, d_k) and values (B, h, S, d_v)."""
-        k, v = self.kv(memory).split(self.split, dim=-1)
+    def memory_kv(self, memory: Tensor, kv: nn.Module | None = None) -> tuple[Tensor, Tensor]:
+        """memory (B, S, d_model) -> keys (B, h, S, d_k) and values (B, h, S, d_v), views into
+        one projection; kv: a stand-in for self.kv (decoding's int8 and bf16 copies)."""
+        k, v = (kv or self.kv)(memory).split(self.split, dim=-1)
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
@@ -413,8 +414,9 @@ class Transformer(nn.Module):
         self.embedding = Embedding(cfg)
         self.encoder = Stack(cfg, EncoderLayer, cfg.encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.decoder_layers)
-        # decoding.native_decoder_weights' cache: precision -> (parameter versions, weights).
-        self._decoder_weights: dict[str, tuple[tuple, decoding.NativeWeights]] = {}
+        # decoding's weights in native layouts (native_decoder_weights, native_encoder), by
+        # precision: (the parameters' versions when built, the weights).
+        self._native_weights: dict[str, tuple[tuple, object]] = {}
         for name, p in self.named_parameters():
             if name.endswith(".weight") and p.dim() == 2 and not name.startswith("embedding"):
                 nn.init.xavier_uniform_(p)
@@ -435,11 +437,12 @@ class Transformer(nn.Module):
         """src (B, S) -> (B, 1, 1, S) bool, True at real tokens (the attention op's convention)."""
         return (src != self.cfg.pad_id)[:, None, None, :]
 
-    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
-        """src (B, S) -> memory (B, S, d_model) and its padding mask (B, 1, 1, S)."""
+    def encode(self, src: Tensor, encoder: nn.Module | None = None) -> tuple[Tensor, Tensor]:
+        """src (B, S) -> memory (B, S, d_model) and its padding mask (B, 1, 1, S); encoder: a
+        stand-in for self.encoder (decoding's int8 and bf16 copies)."""
         check_tokens("src", src, self.cfg.vocab_size)
         mask = self.padding_mask(src)
-        return self.encoder(self.embedding(src), mask), mask
+        return (encoder or self.encoder)(self.embedding(src), mask), mask
 
     def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
         """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model)."""
@@ -538,12 +541,9 @@ class Transformer(nn.Module):
         if not range_checked(src):  # GPUs check here, once per search, not in training steps
             check_tokens("src", src, self.cfg.vocab_size)
             check_token_range("src", src, self.cfg.vocab_size)
-        memory, mask = self.encode(src)
-        # Views into each layer's (B, S, 2·h·d) projection: the attention reads any strides.
-        memory_kv = [layer.cross_attention.memory_kv(memory) for layer in self.decoder.layers]
-        return DecodingState(memory_k=[k for k, _ in memory_kv], memory_v=[v for _, v in memory_kv],
-                             memory_mask=mask, capacity=capacity or src.shape[1] + 50,
-                             precision=precision)
+        memory_k, memory_v, mask = decoding.encode(self, src, precision)
+        return DecodingState(memory_k=memory_k, memory_v=memory_v, memory_mask=mask,
+                             capacity=capacity or src.shape[1] + 50, precision=precision)
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, state: DecodingState) -> Tensor:
@@ -596,5 +596,5 @@ class Transformer(nn.Module):
     def train(self, mode: bool = True) -> Transformer:
         # Fused Adam writes the weights without bumping their version counters, so the packed
         # copies cannot tell; a switch of mode (training <-> evaluation) rebuilds them.
-        self._decoder_weights = {}
+        self._native_weights = {}
         return super().train(mode)

@@ -1,11 +1,16 @@
 """The native decoder in int8 and bf16 (fastattn.decoding.PRECISIONS): Transformer.beam_search's
 one native call against fastattn.beam_search over decode_step (what an ensemble runs), the
-distributions against float32's, the weights built once per precision, and the errors."""
+distributions against float32's, the encoder's maps against references of the same rounding,
+the weights built once per precision, and the errors."""
 
+import copy
 from dataclasses import replace
 
 import pytest
 import torch
+from test_bf16_linear import rounded_product
+from test_int8_linear import reference_logits
+from torch import nn
 
 import fastattn.decoding
 from fastattn.decoding import NATIVE_BF16, NATIVE_INT8
@@ -69,15 +74,59 @@ def test_decode_step_is_close_to_float32(precision, bound):
         tokens = out["fp32"].argmax(-1)
 
 
+class RoundedLinear(nn.Module):
+    """An nn.Linear through the tests' references of the int8 and bf16 products."""
+
+    def __init__(self, linear, precision):
+        super().__init__()
+        self.linear, self.precision = linear, precision
+
+    def forward(self, x):
+        rows, (w, b) = x.reshape(-1, x.shape[-1]), (self.linear.weight, self.linear.bias)
+        y = reference_logits(rows, w, b) if self.precision == "int8" else \
+            rounded_product(rows, w, b).float()
+        return y.view(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("precision", LOW)
+def test_the_encoder_and_memory_projections_compute_what_their_reference_does(precision):
+    """Decoding in int8 and bf16 starts with the encoder's linear maps and each decoder layer's
+    memory keys and values in that precision: against the float32 model with those maps through
+    the references of tests/test_int8_linear.py and tests/test_bf16_linear.py."""
+    model, src = make_model(), source()
+    reference = copy.deepcopy(model)
+    for module in [*reference.encoder.modules(), *reference.decoder.modules()]:
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and (module in reference.encoder.modules()
+                                                 or name == "kv"):
+                setattr(module, name, RoundedLinear(child, precision))
+    with torch.inference_mode():
+        got = fastattn.decoding.encode(model, src, precision)
+        expected = fastattn.decoding.encode(reference, src)
+        fp32 = fastattn.decoding.encode(model, src)
+    for a, b, c in zip(got[0] + got[1], expected[0] + expected[1], fp32[0] + fp32[1],
+                       strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(a, c)
+        assert (a - c).abs().max() < (0.05 if precision == "int8" else 0.02) * c.abs().max()
+    assert torch.equal(got[2], fp32[2])
+
+
 @pytest.mark.parametrize("precision", LOW)
 def test_weights_are_built_once_per_precision_and_follow_the_weights(precision):
     model = make_model()
     first = fastattn.decoding.native_decoder_weights(model, precision)
+    encoder = fastattn.decoding.native_encoder(model, precision)
     assert fastattn.decoding.native_decoder_weights(model, precision) is first
+    assert fastattn.decoding.native_encoder(model, precision) is encoder
     assert fastattn.decoding.native_decoder_weights(model, "fp32") is not first
     with torch.no_grad():
         model.decoder.layers[0].feed_forward.w1.weight.mul_(2)
     assert fastattn.decoding.native_decoder_weights(model, precision) is not first
+    assert fastattn.decoding.native_encoder(model, precision) is not encoder
+    encoder = fastattn.decoding.native_encoder(model, precision)
+    model.train().eval()  # fused optimisers write the weights without a version bump
+    assert fastattn.decoding.native_encoder(model, precision) is not encoder
 
 
 def test_precision_errors():
