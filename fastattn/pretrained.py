@@ -124,18 +124,21 @@ def compact(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def export(checkpoint: str | Path, name: str, description: str | None = None,
-           force: bool = False) -> Path:
+           force: bool = False, trained_at: str | None = None) -> Path:
     """Writes MODELS/name/{model.pt,model.json} from a trained checkpoint (a model or an
     ensemble of fastattn.train: its meta["config"] says how to score it) and returns the
     directory. model.json's scores are the shipped float16 weights' on the run's dev and test
     text (`score`), beside the ones the run's metrics log next to the checkpoint recorded for
-    its float32 weights. Refuses an existing directory unless force."""
+    its float32 weights. Refuses an existing directory unless force. trained_at: the commit
+    the run trained at, when the export runs at a later one (a checkpoint does not record it;
+    provenance)."""
     if not NAME.fullmatch(name):
         raise ValueError(f"model name {name!r}: use lowercase letters, digits, '.', '_', '-'")
     directory = MODELS / name
     if directory.exists() and not force:
         raise FileExistsError(f"{directory} exists: give --force to replace the model in it")
     checkpoint = Path(checkpoint)
+    source = provenance_commit(trained_at)
     state = load_checkpoint(checkpoint)
     config = state["meta"].get("config")
     if config is None:
@@ -163,7 +166,7 @@ def export(checkpoint: str | Path, name: str, description: str | None = None,
         "members": members,
         "parameters": parameters,
         "scores": {**scores, "trainer": trainer_scores(checkpoint.parent / "metrics.jsonl")},
-        "provenance": provenance(checkpoint, config, state["meta"]),
+        "provenance": {**provenance(checkpoint, config, state["meta"]), **source},
     }
     write_atomically(directory / "model.json",
                      [(json.dumps(info, indent=2, ensure_ascii=False) + "\n").encode()])
@@ -267,18 +270,35 @@ def trainer_scores(metrics: Path) -> dict[str, Any] | None:
 def provenance(checkpoint: Path, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
     """Where the model comes from: the training command and configuration, the commit, the
     machine this runs on (export where the model was trained), the training precision."""
-    commit = _git("rev-parse", "HEAD")
-    changes = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "command": training_command(config),
         "training_config": config,
         "checkpoint": str(checkpoint),
-        "commit": commit or "unknown (not a git checkout)",
-        "uncommitted_changes": bool(changes) if commit else None,
+        **provenance_commit(),
         "machine": {"cpu": _cpu(), "cores": os.cpu_count()},
         "training_precision": meta.get("precision"),
         "exported": _date(datetime.datetime.now().timestamp()),
     }
+
+
+def provenance_commit(trained_at: str | None = None) -> dict[str, Any]:
+    """The commit of the code that trained the model and whether tracked files differed from
+    it: HEAD and the checkout's state, where the export runs at the commit the run trained at;
+    else `trained_at` (whose uncommitted changes nothing recorded: None), which must be HEAD or
+    an ancestor of it (ValueError), with HEAD as `exported_at`."""
+    head = _git("rev-parse", "HEAD")
+    changes = _git("status", "--porcelain", "--untracked-files=no")
+    here = {"commit": head or "unknown (not a git checkout)",
+            "uncommitted_changes": bool(changes) if head else None}
+    if trained_at is None:
+        return here
+    commit = _git("rev-parse", "--verify", "--quiet", f"{trained_at}^{{commit}}")
+    if commit is None or _git("merge-base", "--is-ancestor", commit, "HEAD") is None:
+        raise ValueError(f"--trained-at {trained_at}: not a commit of this checkout's history "
+                         "(HEAD or one before it)")
+    return {"commit": commit, "uncommitted_changes": None,
+            "exported_at": {"commit": here["commit"],
+                            "uncommitted_changes": here["uncommitted_changes"]}}
 
 
 def training_command(config: dict[str, Any]) -> str:
@@ -344,13 +364,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--description", help="one sentence for model.json (default: made "
                         "from the checkpoint's languages, size and data)")
     parser.add_argument("--force", action="store_true", help="replace a model of that name")
+    parser.add_argument("--trained-at", metavar="COMMIT", help="the commit the run trained at, "
+                        "when this checkout is at a later one (checkpoints do not record it); "
+                        "model.json then records HEAD as exported_at (default: HEAD)")
     args = parser.parse_args(argv)
     if not NAME.fullmatch(args.name):
         parser.error(f"--name {args.name!r}: use lowercase letters, digits, '.', '_', '-' "
                      "(it names a directory)")
     try:
-        directory = export(args.checkpoint, args.name, args.description, args.force)
-    except (CheckpointError, FileExistsError, RuntimeError, OSError) as e:
+        directory = export(args.checkpoint, args.name, args.description, args.force,
+                           args.trained_at)
+    except (CheckpointError, FileExistsError, RuntimeError, OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     info = read_info(directory / "model.json")
     test = info["scores"].get("test", {}).get("tokenized_bleu")

@@ -131,6 +131,25 @@ def test_model_json_records_the_provenance(run_dir, shipped):
     assert trainer["source"] == str(run_dir / "metrics.jsonl")
 
 
+def test_a_model_trained_at_an_earlier_commit_records_it_and_the_exports(run_dir, tmp_path,
+                                                                         monkeypatch):
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPOSITORY), *args], capture_output=True,
+                              text=True).stdout.strip()
+
+    monkeypatch.setattr(pretrained, "MODELS", tmp_path / "models")
+    provenance = pretrained.provenance_commit(git("rev-parse", "--short", "HEAD~1"))
+    assert provenance["commit"] == git("rev-parse", "HEAD~1")
+    assert provenance["uncommitted_changes"] is None  # nothing recorded it then
+    assert provenance["exported_at"]["commit"] == git("rev-parse", "HEAD")
+    with pytest.raises(SystemExit) as caught:
+        pretrained.main(["--checkpoint", str(run_dir / "checkpoint_final.pt"), "--name", "x",
+                         "--trained-at", "no-such-commit"])
+    assert caught.value.code == ("error: --trained-at no-such-commit: not a commit of this "
+                                 "checkout's history (HEAD or one before it)")
+    assert not (tmp_path / "models" / "x").exists()
+
+
 def test_the_default_runs_command_is_the_trainer_without_flags():
     assert pretrained.training_command(config_meta(parse_args([]))) == "python -m fastattn.train"
 
