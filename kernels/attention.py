@@ -231,7 +231,10 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
     transposed, keys x queries:
         P^T = 2^(S^T - lse * log2 e),  dV = sum (P^T * Z) dO,  dP^T = (V dO^T) * Z,
         dS^T = P^T * (dP^T - Delta),   dK = scale * sum dS^T Q,
-    where Z = keep / (1 - p) is the regenerated dropout mask (Z = 1 without dropout)."""
+    where Z = keep / (1 - p) is the regenerated dropout mask (Z = 1 without dropout).
+    Only query tiles on the causal diagonal apply the causal check. The bounds need none: a key
+    past Lk (k = v = 0) changes only its own rows of dK and dV, which are not stored, and a
+    query past Lq (q = dO = 0, lse = +inf) has P = 0."""
     pid_n, bh = _block_and_head(tl.cdiv(Lk, BLOCK_N))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
     h = (bh % H).to(tl.int64)
@@ -252,8 +255,10 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     lo = 0
+    m_full = 0  # from query m_full - causal_shift on, every query sees all of this block's keys
     if CAUSAL:  # the first query that may see key pid_n * BLOCK_N is that key minus the shift
         lo = tl.maximum(pid_n * BLOCK_N - causal_shift, 0) // BLOCK_M * BLOCK_M
+        m_full = (pid_n + 1) * BLOCK_N - 1 - causal_shift
     for start_m in range(lo, Lq, BLOCK_M):
         rows = start_m + offs_m[None, :]
         q_mask = (rows < Lq) & (offs_d[:, None] < HEAD_DIM)
@@ -266,7 +271,10 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
         delta = tl.load(Delta + row0 + start_m + offs_m, mask=start_m + offs_m < Lq, other=0.0)
         s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * qk_scale
         s_t = _masked_scores(s_t, rows, cols, mask_ptr, stride_mm, Lq, Lk,
-                             causal_shift, MASK_KIND, KEY_MASK, CAUSAL, True)
+                             causal_shift, MASK_KIND, KEY_MASK, CAUSAL, False)
+        if CAUSAL:
+            if start_m < m_full:  # a diagonal tile (the same branch for the whole program)
+                s_t = tl.where(cols <= rows + causal_shift, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -391,9 +399,10 @@ BWD_DQ_CONFIGS = {
     (128, 4): (32, 32, 8, 2), (256, 4): (16, 16, 8, 1),
 }
 # dK/dV in 16 bits on Hopper: at head dim 64, 128 keys per program (8 warps form wgmma's 64-row
-# tiles, 32 keys cannot; 153-236 registers, no spill), which sm_80 would need 236-255 for; at 128,
-# 64 keys (wgmma, 168-242, none), which spill 16 B on sm_80 with causal + dropout, so Ampere takes
-# 32 there (128-251, none). docs/benchmark-notes.md, `python -m benchmarks.attention_tiles`.
+# tiles, 32 keys cannot; 154-232 registers, no spill), which sm_80 would need 255 for (8 B spilled
+# in the heaviest variant); at 128, 64 keys (wgmma, 160-236, none), which reach 255 on sm_80, so
+# Ampere takes 32 there (162-226, none). `python -m benchmarks.attention_tiles`; the ranges span
+# the six variants it compiles.
 SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2): (32, 64, 8, 2)}
 DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
 
