@@ -27,10 +27,24 @@ constexpr int64_t kVector = kPanel * kQuad;  // bytes of one panel row: 16 outpu
 // Returns scale = max |x| / 127: 0 for a zero row, NaN for a row holding an inf or a NaN (its
 // outputs are then NaN, as float32's would be).
 FASTATTN_CLONES float quantize_row(const float *x, int64_t D, uint8_t *u, int64_t D4) {
+  // Sixteen lanes of max |x| and of x · 0 (NaN once any value is inf or NaN): one running max
+  // and sum would stay scalar (a float sum is not reassociated), a lane per element vectorises.
+  constexpr int64_t kLanes = 16;
+  float lane_max[kLanes] = {}, lane_finite[kLanes] = {};
+  int64_t d = 0;
+  for (; d + kLanes <= D; d += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) {
+      lane_max[l] = std::max(lane_max[l], std::fabs(x[d + l]));
+      lane_finite[l] += x[d + l] * 0.f;
+    }
+  for (int64_t l = 0; d < D; ++d, ++l) {
+    lane_max[l] = std::max(lane_max[l], std::fabs(x[d]));
+    lane_finite[l] += x[d] * 0.f;
+  }
   float amax = 0, finite = 0;
-  for (int64_t d = 0; d < D; ++d) {
-    amax = std::max(amax, std::fabs(x[d]));
-    finite += x[d] * 0.f;  // NaN once any value is inf or NaN
+  for (int64_t l = 0; l < kLanes; ++l) {
+    amax = std::max(amax, lane_max[l]);
+    finite += lane_finite[l];
   }
   std::fill(u, u + D4 * kQuad, uint8_t{128});
   if (std::isnan(finite)) return NAN;
@@ -157,8 +171,21 @@ FASTATTN_VNNI_INLINE void rows_vnni(const Int8Product &a, int64_t p, RowLse *lse
   }
 }
 
+// At most four rows (one sentence's beam) against four panels at a time: the few rows leave
+// the weights' loads the bottleneck, and four weight vectors per broadcast halve the broadcasts.
+FASTATTN_VNNI_INLINE void few_rows_vnni(const Int8Product &a, int64_t p, RowLse *lse) {
+  switch (a.N) {
+    case 4: block_vnni<4, 4>(a, 0, p, lse); break;
+    case 3: block_vnni<3, 4>(a, 0, p, lse); break;
+    case 2: block_vnni<2, 4>(a, 0, p, lse); break;
+    case 1: block_vnni<1, 4>(a, 0, p, lse); break;
+  }
+}
+
 FASTATTN_VNNI void panels_vnni(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
   int64_t p = p0;
+  if (a.N <= 4)
+    for (; p + 4 <= p1; p += 4) few_rows_vnni(a, p, lse);
   for (; p + 2 <= p1; p += 2) rows_vnni<2>(a, p, lse);
   for (; p < p1; ++p) rows_vnni<1>(a, p, lse);
 }
