@@ -13,9 +13,9 @@ The report (benchmarks/report.py) sets fastattn's best configuration against CTr
 the same cell. "cores busy" (process CPU seconds / wall seconds over the timed calls) shows
 whether a configuration kept every core working.
 
-Models: `multi30k`, the default preset: FASTATTN_BENCH_CHECKPOINT if set, else the default run's
-final checkpoint (checkpoints/multi30k-en-de/checkpoint_final.pt, from `./run train`) if present,
-else random; and `d512-6+6`, always random: d_model 512, 6+6 layers, 8 heads, d_ff 2048, 8000
+Models: `multi30k`, the default preset: FASTATTN_BENCH_CHECKPOINT if set ("random": the random
+model), else the default run's final checkpoint (checkpoints/multi30k-en-de/checkpoint_final.pt,
+from `./run train`) if present, else random; and `d512-6+6`, always random: d_model 512, 6+6 layers, 8 heads, d_ff 2048, 8000
 pieces. A random model's outputs run to MAX_LEN tokens (EOS is as unlikely as any other of 8000
 pieces), so every sentence is the same work in both systems: the mean output length is recorded
 per row, and the share of outputs identical to fastattn's (all of them in fp32: same weights,
@@ -101,7 +101,7 @@ def load(name: str) -> Model:
     if name == "multi30k":
         path = os.environ.get("FASTATTN_BENCH_CHECKPOINT") or (
             DEFAULT_CHECKPOINT if DEFAULT_CHECKPOINT.exists() else None)
-        if path:
+        if path and path != "random":
             from fastattn.checkpoint import load_model
 
             model, sp, _ = load_model(path)
