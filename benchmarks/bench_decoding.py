@@ -15,13 +15,13 @@ whether a configuration kept every core working.
 
 Models: `multi30k`, the default preset: FASTATTN_BENCH_CHECKPOINT if set ("random": the random
 model), else the default run's final checkpoint (checkpoints/multi30k-en-de/checkpoint_final.pt,
-from `./run train`) if present, else random; and `d512-6+6`, always random: d_model 512, 6+6 layers, 8 heads, d_ff 2048, 8000
-pieces. A random model's outputs run to MAX_LEN tokens (EOS is as unlikely as any other of 8000
-pieces), so every sentence is the same work in both systems: the mean output length is recorded
-per row, and the share of outputs identical to fastattn's (all of them in fp32: same weights,
-same search; greedy outputs are compared too, in fp32). An ensemble checkpoint gives its first
-member as the model and its first two as the ensemble timed alone (fastattn only, fp32: the
-shipped model is an ensemble); otherwise the ensemble is the model twice.
+from `./run train`) if present, else random; and `d512-6+6`, always random: d_model 512, 6+6
+layers, 8 heads, d_ff 2048, 8000 pieces. A random model's outputs run to MAX_LEN tokens (EOS is as
+unlikely as any other of 8000 pieces), so every sentence is the same work in both systems: the mean
+output length is recorded per row, and the share of outputs identical to fastattn's (all of them in
+fp32: same weights, same search; greedy outputs are compared too, in fp32). An ensemble checkpoint
+gives its first member as the model and its first two as the ensemble timed alone (fastattn only,
+fp32: the shipped model is an ensemble); otherwise the ensemble is the model twice.
 
 Precisions: fp32 against CTranslate2's float32, int8 against its int8 (fastattn's
 `precision="int8"`), bf16 against its bfloat16; fastattn's cells run for the precisions
