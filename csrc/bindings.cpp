@@ -9,6 +9,7 @@
 #include "bf16_linear.h"
 #include "cross_entropy.h"
 #include "decode_attention.h"
+#include "encoder.h"
 #include "int8_linear.h"
 #include "layer_norm.h"
 #include "packed_linear.h"
@@ -33,6 +34,10 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
       "Tensor max_len, Tensor penalty, "
       "Tensor(a!) finished_tokens, Tensor(b!) finished_scores, Tensor(c!) finished_lengths, "
       "Tensor(d!) finished_count, int eos_id, int nbest) -> ()");
+  m.def(
+      "transformer_encode(Tensor src, Tensor embedding, Tensor positions, float embedding_scale, "
+      "int pad_id, int heads, int key_dim, Tensor[] params, Tensor[] packed, "
+      "Tensor[] memory_params, Tensor[] memory_packed, float eps) -> (Tensor[], Tensor[], Tensor)");
   m.def("pack_linear_weight(Tensor weight) -> Tensor");
   m.def("quantize_linear_weight(Tensor weight) -> (Tensor, Tensor, Tensor)");
   m.def("dequantize_rows(Tensor panels, Tensor scales, Tensor rows, int dim) -> Tensor");
@@ -73,6 +78,7 @@ TORCH_LIBRARY_IMPL(fastattn, CPU, m) {
   m.impl("decode_attention", &fastattn::decode_attention_cpu);
   m.impl("decoder_step", &fastattn::decoder_step_cpu);
   m.impl("transformer_beam_search", &fastattn::transformer_beam_search_cpu);
+  m.impl("transformer_encode", &fastattn::transformer_encode_cpu);
   m.impl("pack_linear_weight", &fastattn::pack_linear_weight_cpu);
   m.impl("quantize_linear_weight", &fastattn::quantize_linear_weight_cpu);
   m.impl("dequantize_rows", &fastattn::dequantize_rows_cpu);

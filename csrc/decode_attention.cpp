@@ -4,7 +4,7 @@
 #include "decode_attention.h"
 
 #include "bf16_linear.h"
-#include "decoder_layout.h"
+#include "layer_slots.h"
 #include "int8_linear.h"
 #include "packed_linear.h"
 #include "vector_math.h"

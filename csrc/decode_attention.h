@@ -22,7 +22,7 @@ at::Tensor decode_attention_cpu(const at::Tensor &q, const at::Tensor &k, const 
 
 // One step of a post-norm decoder stack (Vaswani et al. 3.1) for x (N, d), the newest position
 // `length` of N rows. Per layer l, `params` holds the kDecoderLayerSlots tensors of
-// decoder_layout.h in its order. Writes the position's self-attention keys and values into
+// layer_slots.h in its order. Writes the position's self-attention keys and values into
 // self_k[l][:, :, length] (layers, N', H, capacity, Dk) and self_v, and reads row n's earlier
 // positions j from cache row history[n, j] (history (N, > length) int64, history[:, length] = n).
 // memory_k[l] (B, H, S, Dk), memory_v[l] the encoder keys and values; memory_bias (B, S) additive

@@ -8,32 +8,34 @@ The native decoder computes in one of PRECISIONS: "fp32"; "int8", where the deco
 maps, the target embedding and the output projection use int8 weights (one scale per output
 feature) and int8 activations (one scale per row), with int32 sums (csrc/int8_linear.h); or
 "bf16", the same maps with bfloat16 weights and activations and float32 sums
-(csrc/bf16_linear.h). In int8 and bf16 the encoder's linear maps and the decoder's projections
-of its output into keys and values run in that precision too (native_encoder); the embeddings'
-lookups for the source, attention, LayerNorm and the log-softmax stay float32.
+(csrc/bf16_linear.h). Where the native decoder runs, the encoder does too (encode: one call of
+fastattn::transformer_encode, op for op the Python modules' computation, which releases the GIL
+for parallel workers); in int8 and bf16 its linear maps and the decoder's projections of its
+output into keys and values run in that precision too. The embeddings' lookups for the source,
+attention, LayerNorm and the log-softmax stay float32.
 """
 
 from __future__ import annotations
 
-import copy
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from fastattn._native import native
+from fastattn.tokens import check_tokens
 
 if TYPE_CHECKING:  # for annotations only: fastattn.model imports this module
     from fastattn.model import Transformer, TransformerConfig
     from fastattn.search import BeamSearchSetup
 
-__all__ = ["DECODER_LAYER_SLOTS", "PRECISIONS", "DecodingState", "QuantizedLinear",
-           "check_precision", "encode", "gather_prefixes", "native_beam_search",
-           "native_decode_step", "native_decoder_supports", "native_decoder_weights",
-           "native_embedding", "native_encoder", "step_attention"]
+__all__ = ["DECODER_LAYER_SLOTS", "ENCODER_LAYER_SLOTS", "PRECISIONS", "DecodingState",
+           "NativeWeights", "check_precision", "encode", "gather_prefixes", "native_beam_search",
+           "native_decode_step", "native_decoder_supports", "native_embedding", "native_weights",
+           "step_attention"]
 
-# The per-layer weights of fastattn::decoder_step in its order: csrc/decoder_layout.h's
+# The per-layer weights of fastattn::decoder_step in its order: csrc/layer_slots.h's
 # DecoderLayerSlot, named alike (tests/test_decode_attention.py checks the two agree). Each is
 # "<module>.<parameter>" of a fastattn.model.DecoderLayer.
 DECODER_LAYER_SLOTS = (
@@ -47,16 +49,39 @@ DECODER_LAYER_SLOTS = (
     "feed_forward.w2.weight", "feed_forward.w2.bias",
     "feed_forward_norm.norm.weight", "feed_forward_norm.norm.bias",
 )
-# The linear maps whose weights fastattn::pack_linear_weight packs, in the order of its panels.
+# fastattn::transformer_encode's per-layer weights, the same way: csrc/layer_slots.h's
+# encoder::EncoderLayerSlot, of a fastattn.model.EncoderLayer.
+ENCODER_LAYER_SLOTS = (
+    "self_attention.qkv.weight", "self_attention.qkv.bias",
+    "self_attention.out.weight", "self_attention.out.bias",
+    "self_attention_norm.norm.weight", "self_attention_norm.norm.bias",
+    "feed_forward.w1.weight", "feed_forward.w1.bias",
+    "feed_forward.w2.weight", "feed_forward.w2.bias",
+    "feed_forward_norm.norm.weight", "feed_forward_norm.norm.bias",
+)
+# The linear maps whose weights the native decoder and encoder take packed, in their order.
 _PACKED_LINEARS = ("self_attention.qkv", "self_attention.out", "cross_attention.q",
                    "cross_attention.out", "feed_forward.w1", "feed_forward.w2")
+_ENCODER_LINEARS = ("self_attention.qkv", "self_attention.out", "feed_forward.w1",
+                    "feed_forward.w2")
 
 PRECISIONS = ("fp32", "int8", "bf16")
 
-# For fastattn::decoder_step and transformer_beam_search: the decoder's weights by slot, the
-# linear maps' packed weights (float32 or bfloat16 panels, or the kInt8Parts of each int8 one),
-# and the output projection's (its float32 panels, or the packed embedding's panels or parts).
-NativeWeights = tuple[list[Tensor], list[Tensor], list[Tensor]]
+
+class NativeWeights(NamedTuple):
+    """A model's weights as fastattn._C's decoding ops take them, for one precision."""
+
+    decoder: list[Tensor]  # DECODER_LAYER_SLOTS per decoder layer
+    # The decoder's linear maps (_PACKED_LINEARS per layer): float32 few-row panels (empty for
+    # float64), int8 kInt8Parts each, or bfloat16 panels.
+    packed: list[Tensor]
+    # The output projection's: its float32 panels, or the packed embedding's int8 parts or
+    # bfloat16 panels (which the target embedding reads too).
+    output: list[Tensor]
+    encoder: list[Tensor]  # ENCODER_LAYER_SLOTS per encoder layer
+    encoder_packed: list[Tensor]  # int8 and bf16: _ENCODER_LINEARS per layer; else empty
+    memory: list[Tensor]  # each decoder layer's cross_attention.kv weight and bias
+    memory_packed: list[Tensor]  # int8 and bf16: those maps packed; else empty
 
 
 def _has_native_cpu_op(name: str) -> bool:
@@ -67,6 +92,7 @@ def _has_native_cpu_op(name: str) -> bool:
 NATIVE_STEP_ATTENTION = _has_native_cpu_op("decode_attention")
 NATIVE_DECODER_STEP = _has_native_cpu_op("decoder_step")
 NATIVE_BEAM_SEARCH = _has_native_cpu_op("transformer_beam_search")
+NATIVE_ENCODE = _has_native_cpu_op("transformer_encode")
 NATIVE_INT8 = _has_native_cpu_op("linear_int8")
 NATIVE_BF16 = _has_native_cpu_op("linear_bf16")
 
@@ -99,99 +125,78 @@ def native_decoder_supports(model: Transformer, like: Tensor, precision: str = "
     return None
 
 
-def native_decoder_weights(model: Transformer, precision: str = "fp32") -> NativeWeights:
-    """For fastattn::decoder_step: the decoder's weights, DECODER_LAYER_SLOTS per layer, and,
-    per layer, its linear maps' weights (_PACKED_LINEARS) and the output projection's in the
-    native layouts: for float32 the few-row panels (fastattn::pack_linear_weight), for int8 the
-    quantized weights (fastattn::quantize_linear_weight), for bf16 the bfloat16 panels
-    (fastattn::pack_linear_weight_bf16); in int8 and bf16 the output's are the packed
-    embedding's, which the target embedding reads too. Built once per precision and again only
-    after a weight changed: in-place updates bump a tensor's _version, and Transformer.train()
-    drops the copies for the updates that do not (fused optimisers)."""
+def native_weights(model: Transformer, precision: str = "fp32") -> NativeWeights:
+    """The model's weights for fastattn._C's encoder and decoder in `precision`: float32 linear
+    maps as few-row panels (fastattn::pack_linear_weight; the encoder's run through at::linear
+    as they are), int8 ones quantized (fastattn::quantize_linear_weight), bf16 ones as bfloat16
+    panels (fastattn::pack_linear_weight_bf16). Built once per precision and again only after a
+    weight changed: in-place updates bump a tensor's _version, and Transformer.train() drops
+    the copies for the updates that do not (fused optimisers)."""
     key = _weights_key(model)
     cached = model._native_weights.get(precision)
     if cached is not None and cached[0] == key:
         return cached[1]
-    layers = [dict(layer.named_parameters()) for layer in model.decoder.layers]
-    params = [layer[name].detach() for layer in layers for name in DECODER_LAYER_SLOTS]
-    linears = [layer[f"{name}.weight"].detach() for layer in layers for name in _PACKED_LINEARS]
-    packed, output = [], []
-    if precision == "int8":
-        quantize = torch.ops.fastattn.quantize_linear_weight
-        packed = [part for weight in linears for part in quantize(weight)]
-        output = list(quantize(model.embedding.weight.detach()))
-    elif precision == "bf16":
-        pack = torch.ops.fastattn.pack_linear_weight_bf16
-        packed = [pack(weight) for weight in linears]
-        output = [pack(model.embedding.weight.detach())]
-    elif model.embedding.weight.dtype == torch.float32:
+    decoder = [dict(layer.named_parameters()) for layer in model.decoder.layers]
+    encoder = [dict(layer.named_parameters()) for layer in model.encoder.layers]
+    memory = [layer[f"cross_attention.kv.{name}"].detach()
+              for layer in decoder for name in ("weight", "bias")]
+    linears = [layer[f"{name}.weight"].detach() for layer in decoder for name in _PACKED_LINEARS]
+    encoder_linears = [layer[f"{name}.weight"].detach()
+                       for layer in encoder for name in _ENCODER_LINEARS]
+    if precision == "fp32":
         pack = torch.ops.fastattn.pack_linear_weight
-        packed = [pack(weight) for weight in linears]
-        output = [pack(model.output_weight.detach())]
-    weights = params, packed, output
+        floats = model.embedding.weight.dtype == torch.float32
+        packed = [pack(weight) for weight in linears] if floats else []
+        output = [pack(model.output_weight.detach())] if floats else []
+        encoder_packed, memory_packed = [], []
+    else:
+        if precision == "int8":
+            def pack(weight: Tensor) -> list[Tensor]:
+                return list(torch.ops.fastattn.quantize_linear_weight(weight))
+        else:
+            def pack(weight: Tensor) -> list[Tensor]:
+                return [torch.ops.fastattn.pack_linear_weight_bf16(weight)]
+        packed, encoder_packed, memory_packed = (
+            [part for weight in weights for part in pack(weight)]
+            for weights in (linears, encoder_linears, memory[::2]))
+        output = pack(model.embedding.weight.detach())
+    weights = NativeWeights(
+        decoder=[layer[name].detach() for layer in decoder for name in DECODER_LAYER_SLOTS],
+        packed=packed, output=output,
+        encoder=[layer[name].detach() for layer in encoder for name in ENCODER_LAYER_SLOTS],
+        encoder_packed=encoder_packed, memory=memory, memory_packed=memory_packed)
     model._native_weights[precision] = key, weights
     return weights
 
 
 def _weights_key(model: Transformer) -> tuple:
-    """Changes when any weight does: in-place updates bump a tensor's _version."""
-    return tuple((p.data_ptr(), p._version) for p in model.parameters())
+    """Changes when any weight does: in-place updates bump a tensor's _version. A walk of the
+    modules' own parameter dicts: Module.parameters() cost a tenth of a batch-1 search."""
+    key, modules = [], [model]
+    while modules:
+        module = modules.pop()
+        key += [(p.data_ptr(), p._version) for p in module._parameters.values() if p is not None]
+        modules += module._modules.values()
+    return tuple(key)
 
 
-class QuantizedLinear(nn.Module):
-    """An nn.Linear's map through fastattn._C's int8 kernel (weights quantized once per output
-    feature, each row of x on the fly: csrc/int8_linear.h) or bf16 kernel (bfloat16 panels):
-    x (..., in_features) float32 -> (..., out_features)."""
-
-    def __init__(self, linear: nn.Linear, precision: str) -> None:
-        super().__init__()
-        self.precision, self.out_features = precision, linear.out_features
-        weight = linear.weight.detach()
-        if precision == "int8":
-            self.packed = list(torch.ops.fastattn.quantize_linear_weight(weight))
-        else:
-            self.packed = [torch.ops.fastattn.pack_linear_weight_bf16(weight)]
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: Tensor) -> Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if self.precision == "int8":
-            y = torch.ops.fastattn.linear_int8(rows, *self.packed, self.bias)
-        else:
-            y = torch.ops.fastattn.linear_bf16(rows, self.packed[0], self.bias, self.out_features)
-        return y.view(*x.shape[:-1], self.out_features)
-
-
-def native_encoder(model: Transformer, precision: str) -> tuple[nn.Module, list[nn.Module]]:
-    """For int8 and bf16 decoding, whose encoding should not wait on float32 products: a copy
-    of model.encoder whose linear maps are QuantizedLinear, and each decoder layer's projection
-    of the encoder output into keys and values (CrossAttention.kv) alike. Built once per
-    precision and cached like native_decoder_weights."""
-    key = _weights_key(model)
-    cached = model._native_weights.get(f"{precision} encoder")
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    with torch.inference_mode(False):  # a module, not inference tensors
-        encoder = copy.deepcopy(model.encoder).requires_grad_(False)
-    for module in list(encoder.modules()):
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(module, name, QuantizedLinear(child, precision))
-    kv = [QuantizedLinear(layer.cross_attention.kv, precision) for layer in model.decoder.layers]
-    model._native_weights[f"{precision} encoder"] = key, (encoder, kv)
-    return model._native_weights[f"{precision} encoder"][1]
-
-
-def encode(model: Transformer, src: Tensor, precision: str = "fp32",
+def encode(model: Transformer, src: Tensor, weights: NativeWeights | None = None,
            ) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """Decoding's start: src (B, S) -> each decoder layer's keys and values of the encoder
-    output, (B, h, S, d), and the padding mask (B, 1, 1, S); in int8 and bf16 through
-    native_encoder's maps."""
-    encoder, kv = (None, [None] * len(model.decoder.layers)) if precision == "fp32" else \
-        native_encoder(model, precision)
-    memory, mask = model.encode(src, encoder)
-    pairs = [layer.cross_attention.memory_kv(memory, projection)
-             for layer, projection in zip(model.decoder.layers, kv, strict=True)]
+    output, (B, h, S, d), and the padding mask (B, 1, 1, S). With `weights` (native_weights:
+    the model is one native_decoder_supports accepts) one call of fastattn::transformer_encode,
+    in their precision; else the Python modules."""
+    check_tokens("src", src, model.cfg.vocab_size)
+    if weights is not None and NATIVE_ENCODE:
+        embedding = model.embedding
+        memory_k, memory_v, mask = torch.ops.fastattn.transformer_encode(
+            src, embedding.weight.detach(), embedding.positions(0, src.shape[1]),
+            embedding.scale, model.cfg.pad_id, model.cfg.heads, model.cfg.key_dim,
+            weights.encoder, weights.encoder_packed, weights.memory, weights.memory_packed,
+            model.encoder.layers[0].feed_forward_norm.norm.eps)
+        return memory_k, memory_v, mask
+    memory, mask = model.encode(src)
+    pairs = [layer.cross_attention.memory_kv(memory) for layer in model.decoder.layers]
     return [k for k, _ in pairs], [v for _, v in pairs], mask
 
 
@@ -202,8 +207,8 @@ def native_embedding(model: Transformer, tokens: Tensor, state: DecodingState) -
     if state.precision == "fp32":
         return model.embedding(tokens.unsqueeze(1), start=state.length).squeeze(1)
     if state.native_weights is None:
-        state.native_weights = native_decoder_weights(model, state.precision)
-    output = state.native_weights[2]
+        state.native_weights = native_weights(model, state.precision)
+    output = state.native_weights.output
     if state.precision == "int8":
         x = torch.ops.fastattn.dequantize_rows(output[0], output[1], tokens, model.cfg.d_model)
     else:
@@ -216,15 +221,15 @@ def native_decode_step(model: Transformer, x: Tensor, state: DecodingState) -> T
     the embedded newest position (native_decoder_supports(model, x) must be None): the whole
     stack in one call, since a few-row step is dominated by per-op overhead."""
     if state.native_weights is None:  # once per decoding: weights do not change within
-        state.native_weights = native_decoder_weights(model, state.precision)
-    params, packed, output = state.native_weights
+        state.native_weights = native_weights(model, state.precision)
+    weights = state.native_weights
     x = torch.ops.fastattn.decoder_step(
-        x, params, state.self_k, state.self_v, state.history, state.length,
-        state.memory_k, state.memory_v, _flat_memory_bias(state), state.sentences, packed,
+        x, weights.decoder, state.self_k, state.self_v, state.history, state.length,
+        state.memory_k, state.memory_v, _flat_memory_bias(state), state.sentences, weights.packed,
         model.decoder.layers[0].feed_forward_norm.norm.eps)
     state.length += 1
     # int8, bf16: the output projection is the packed embedding's first `rows` rows.
-    rows = model.cfg.output_size
+    rows, output = model.cfg.output_size, weights.output
     if state.precision == "int8":
         panels, scales, sums = output
         return torch.ops.fastattn.log_softmax_linear_int8(
@@ -242,13 +247,15 @@ def native_beam_search(model: Transformer, state: DecodingState, setup: BeamSear
     keeps its largest buffers (caches and logits, about 20 MB for 64 sentences of the multi30k
     model; sets over 256 MB are freed) for the next call on the same thread: allocating them
     afresh cost a tenth of a batch-64 search in page faults."""
-    params, packed, output = native_decoder_weights(model, state.precision)
+    if state.native_weights is None:
+        state.native_weights = native_weights(model, state.precision)
+    weights = state.native_weights
     torch.ops.fastattn.transformer_beam_search(
         model.embedding.weight.detach(), model.output_weight.detach(),
-        model.embedding.positions(0, state.capacity), model.embedding.scale, params, packed,
-        output, model.decoder.layers[0].feed_forward_norm.norm.eps, state.memory_k,
-        state.memory_v, _flat_memory_bias(state), bos_id, setup.limits, setup.penalty,
-        *setup.finished, eos_id, nbest)
+        model.embedding.positions(0, state.capacity), model.embedding.scale, weights.decoder,
+        weights.packed, weights.output, model.decoder.layers[0].feed_forward_norm.norm.eps,
+        state.memory_k, state.memory_v, _flat_memory_bias(state), bos_id, setup.limits,
+        setup.penalty, *setup.finished, eos_id, nbest)
 
 
 def _flat_memory_bias(state: DecodingState) -> Tensor | None:

@@ -270,10 +270,10 @@ class CrossAttention(nn.Module):
         self.kv = nn.Linear(cfg.d_model, sum(self.split))
         self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
 
-    def memory_kv(self, memory: Tensor, kv: nn.Module | None = None) -> tuple[Tensor, Tensor]:
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """memory (B, S, d_model) -> keys (B, h, S, d_k) and values (B, h, S, d_v), views into
-        one projection; kv: a stand-in for self.kv (decoding's int8 and bf16 copies)."""
-        k, v = (kv or self.kv)(memory).split(self.split, dim=-1)
+        one projection."""
+        k, v = self.kv(memory).split(self.split, dim=-1)
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
     def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
@@ -414,7 +414,7 @@ class Transformer(nn.Module):
         self.embedding = Embedding(cfg)
         self.encoder = Stack(cfg, EncoderLayer, cfg.encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.decoder_layers)
-        # decoding's weights in native layouts (native_decoder_weights, native_encoder), by
+        # decoding's weights in native layouts (fastattn.decoding.native_weights), by
         # precision: (the parameters' versions when built, the weights).
         self._native_weights: dict[str, tuple[tuple, object]] = {}
         for name, p in self.named_parameters():
@@ -437,12 +437,11 @@ class Transformer(nn.Module):
         """src (B, S) -> (B, 1, 1, S) bool, True at real tokens (the attention op's convention)."""
         return (src != self.cfg.pad_id)[:, None, None, :]
 
-    def encode(self, src: Tensor, encoder: nn.Module | None = None) -> tuple[Tensor, Tensor]:
-        """src (B, S) -> memory (B, S, d_model) and its padding mask (B, 1, 1, S); encoder: a
-        stand-in for self.encoder (decoding's int8 and bf16 copies)."""
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src (B, S) -> memory (B, S, d_model) and its padding mask (B, 1, 1, S)."""
         check_tokens("src", src, self.cfg.vocab_size)
         mask = self.padding_mask(src)
-        return (encoder or self.encoder)(self.embedding(src), mask), mask
+        return self.encoder(self.embedding(src), mask), mask
 
     def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
         """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model)."""
@@ -534,16 +533,18 @@ class Transformer(nn.Module):
         if self.training:
             raise RuntimeError("decoding is inference: call model.eval() first")
         decoding.check_precision(precision)
-        if precision != "fp32":
-            reason = decoding.native_decoder_supports(self, self.embedding.weight, precision)
-            if reason is not None:
-                raise ValueError(f"precision {precision} needs fastattn._C's CPU decoder: {reason}")
+        reason = decoding.native_decoder_supports(self, self.embedding.weight, precision)
+        if reason is not None and precision != "fp32":
+            raise ValueError(f"precision {precision} needs fastattn._C's CPU decoder: {reason}")
         if not range_checked(src):  # GPUs check here, once per search, not in training steps
             check_tokens("src", src, self.cfg.vocab_size)
             check_token_range("src", src, self.cfg.vocab_size)
-        memory_k, memory_v, mask = decoding.encode(self, src, precision)
-        return DecodingState(memory_k=memory_k, memory_v=memory_v, memory_mask=mask,
-                             capacity=capacity or src.shape[1] + 50, precision=precision)
+        weights = None if reason else decoding.native_weights(self, precision)
+        memory_k, memory_v, mask = decoding.encode(self, src, weights)
+        state = DecodingState(memory_k=memory_k, memory_v=memory_v, memory_mask=mask,
+                              capacity=capacity or src.shape[1] + 50, precision=precision)
+        state.native_weights = weights
+        return state
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, state: DecodingState) -> Tensor:

@@ -13,9 +13,10 @@ import torch
 import fastattn.decoding  # loads fastattn._C, which registers the ops
 from fastattn.decoding import (
     DECODER_LAYER_SLOTS,
+    ENCODER_LAYER_SLOTS,
     NATIVE_STEP_ATTENTION,
     native_decoder_supports,
-    native_decoder_weights,
+    native_weights,
     step_attention,
 )
 from fastattn.model import Transformer
@@ -156,7 +157,8 @@ def test_decoder_step_bad_input_errors():
     model = Transformer.from_preset("tiny", vocab_size=30).eval()
     state = model.start_decoding(torch.randint(3, 30, (2, 5)))
     model.decode_step(torch.ones(2, dtype=torch.long), state)
-    params, panels, _ = native_decoder_weights(model)
+    weights = native_weights(model)
+    params, panels = weights.decoder, weights.packed
     x = torch.randn(2, model.cfg.d_model)
     history = state.history.clone()
     args = (state.self_k, state.self_v, history, 1, state.memory_k, state.memory_v, None, None,
@@ -232,24 +234,34 @@ def test_log_softmax_linear_propagates_nan_and_keeps_other_dtypes():
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9, equal_nan=True)
 
 
-def test_decoder_layer_slots_match_the_native_layout():
-    """fastattn.decoding.DECODER_LAYER_SLOTS names csrc/decoder_layout.h's DecoderLayerSlot
-    enum: the same slots, in the same order, as many; and each names a decoder layer's tensor."""
-    header = (Path(__file__).parents[1] / "csrc" / "decoder_layout.h").read_text()
-    body = re.search(r"enum DecoderLayerSlot[^{]*\{(.*?)\};", header, re.S).group(1)
+@pytest.mark.parametrize("stack", ["decoder", "encoder"])
+def test_layer_slots_match_the_native_layout(stack):
+    """fastattn.decoding.DECODER_LAYER_SLOTS and ENCODER_LAYER_SLOTS name csrc/layer_slots.h's
+    DecoderLayerSlot and EncoderLayerSlot enums: the same slots, in the same order, as many; and
+    each names a layer's tensor."""
+    header = (Path(__file__).parents[1] / "csrc" / "layer_slots.h").read_text()
+    enum = f"{stack.capitalize()}LayerSlot"
+    body = re.search(rf"enum {enum}[^{{]*\{{(.*?)\}};", header, re.S).group(1)
     enumerators = re.findall(r"^\s*(k\w+),", body, re.M)
-    assert enumerators[-1] == "kDecoderLayerSlots"  # the count, last
+    assert enumerators[-1] == f"k{enum}s"  # the count, last
 
     def camel(slot: str) -> str:  # "self_attention.qkv.weight" -> "kSelfQkvWeight"
         words = slot.replace("_attention", "").replace(".norm.", ".").replace("feed_forward",
                                                                                "feedForward")
         return "k" + "".join(w[0].upper() + w[1:] for w in re.split(r"[._]", words))
 
-    assert [camel(slot) for slot in DECODER_LAYER_SLOTS] == enumerators[:-1]
-    layer = dict(Transformer.from_preset("tiny").decoder.layers[0].named_parameters())
-    # All but the encoder-memory projection, which start_decoding applies once.
-    assert set(layer) - set(DECODER_LAYER_SLOTS) == {"cross_attention.kv.weight",
-                                                     "cross_attention.kv.bias"}
+    slots = DECODER_LAYER_SLOTS if stack == "decoder" else ENCODER_LAYER_SLOTS
+    assert [camel(slot) for slot in slots] == enumerators[:-1]
+    model = Transformer.from_preset("tiny")
+    layer = dict(getattr(model, stack).layers[0].named_parameters())
+    # All but the encoder-memory projection, which the encoder's call applies once.
+    unused = {"cross_attention.kv.weight", "cross_attention.kv.bias"} if stack == "decoder" \
+        else set()
+    assert set(layer) - set(slots) == unused
+    assert set(slots) <= set(layer)
+    # Each weight is followed by its bias (csrc/encoder.cpp reads them in pairs).
+    assert all(slots[i + 1] == slots[i].replace(".weight", ".bias")
+               for i in range(0, len(slots), 2))
 
 
 @pytest.mark.parametrize("case", ["pre_norm", "bfloat16"])

@@ -101,8 +101,9 @@ def test_the_encoder_and_memory_projections_compute_what_their_reference_does(pr
                                                  or name == "kv"):
                 setattr(module, name, RoundedLinear(child, precision))
     with torch.inference_mode():
-        got = fastattn.decoding.encode(model, src, precision)
-        expected = fastattn.decoding.encode(reference, src)
+        got = fastattn.decoding.encode(model, src, fastattn.decoding.native_weights(model,
+                                                                                    precision))
+        expected = fastattn.decoding.encode(reference, src)  # no weights: the Python modules
         fp32 = fastattn.decoding.encode(model, src)
     for a, b, c in zip(got[0] + got[1], expected[0] + expected[1], fp32[0] + fp32[1],
                        strict=True):
@@ -115,18 +116,20 @@ def test_the_encoder_and_memory_projections_compute_what_their_reference_does(pr
 @pytest.mark.parametrize("precision", LOW)
 def test_weights_are_built_once_per_precision_and_follow_the_weights(precision):
     model = make_model()
-    first = fastattn.decoding.native_decoder_weights(model, precision)
-    encoder = fastattn.decoding.native_encoder(model, precision)
-    assert fastattn.decoding.native_decoder_weights(model, precision) is first
-    assert fastattn.decoding.native_encoder(model, precision) is encoder
-    assert fastattn.decoding.native_decoder_weights(model, "fp32") is not first
-    with torch.no_grad():
-        model.decoder.layers[0].feed_forward.w1.weight.mul_(2)
-    assert fastattn.decoding.native_decoder_weights(model, precision) is not first
-    assert fastattn.decoding.native_encoder(model, precision) is not encoder
-    encoder = fastattn.decoding.native_encoder(model, precision)
+    first = fastattn.decoding.native_weights(model, precision)
+    assert fastattn.decoding.native_weights(model, precision) is first
+    assert fastattn.decoding.native_weights(model, "fp32") is not first
+    for change in (lambda: model.encoder.layers[1].feed_forward.w2.weight.mul_(2),
+                   lambda: model.decoder.layers[0].self_attention_norm.norm.bias.add_(1)):
+        with torch.no_grad():
+            change()
+        assert fastattn.decoding.native_weights(model, precision) is not first
+        first = fastattn.decoding.native_weights(model, precision)
+    model.encoder.layers[0].feed_forward.w1.bias = nn.Parameter(torch.zeros(TINY.d_ff))
+    assert fastattn.decoding.native_weights(model, precision) is not first
+    first = fastattn.decoding.native_weights(model, precision)
     model.train().eval()  # fused optimisers write the weights without a version bump
-    assert fastattn.decoding.native_encoder(model, precision) is not encoder
+    assert fastattn.decoding.native_weights(model, precision) is not first
 
 
 def test_precision_errors():
