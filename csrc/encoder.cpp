@@ -104,6 +104,7 @@ std::tuple<std::vector<at::Tensor>, std::vector<at::Tensor>, at::Tensor> transfo
   for (int64_t l = 0; l < layers; ++l) {
     const auto p = params.slice(l * encoder::kEncoderLayerSlots, encoder::kEncoderLayerSlots);
     const int64_t first = l * kLinearsPerLayer;  // this layer's qkv, out, W1, W2 in packed
+    // A linear map by its weight's slot (its bias is the next) and its index among the four.
     const auto map = [&](int64_t weight, int64_t linear_index, const at::Tensor &input) {
       return project(input, p[weight], p[weight + 1], linear(packed, first + linear_index));
     };
