@@ -13,15 +13,15 @@ The report (benchmarks/report.py) sets fastattn's best configuration against CTr
 the same cell. "cores busy" (process CPU seconds / wall seconds over the timed calls) shows
 whether a configuration kept every core working.
 
-Models: `multi30k`, the default preset: FASTATTN_BENCH_CHECKPOINT if set ("random": the random
-model), else the default run's final checkpoint (checkpoints/multi30k-en-de/checkpoint_final.pt,
-from `./run train`) if present, else random; and `d512-6+6`, always random: d_model 512, 6+6
-layers, 8 heads, d_ff 2048, 8000 pieces. A random model's outputs run to MAX_LEN tokens (EOS is as
-unlikely as any other of 8000 pieces), so every sentence is the same work in both systems: the mean
-output length is recorded per row, and the share of outputs identical to fastattn's (all of them in
-fp32: same weights, same search; greedy outputs are compared too, in fp32). An ensemble checkpoint
-gives its first member as the model and its first two as the ensemble timed alone (fastattn only,
-fp32: the shipped model is an ensemble); otherwise the ensemble is the model twice.
+Models: `multi30k`, the default preset: the shipped model (fastattn/models/multi30k-en-de, the
+default run's final ensemble, trained), or FASTATTN_BENCH_CHECKPOINT's checkpoint if set ("random":
+the random model); and `d512-6+6`, always random: d_model 512, 6+6 layers, 8 heads, d_ff 2048,
+8000 pieces. A random model's outputs run to MAX_LEN tokens (EOS is as unlikely as any other of
+8000 pieces), so every sentence is the same work in both systems; a trained one's stop where the
+search says. The mean output length is recorded per row, and the share of outputs identical to
+fastattn's (all of them in fp32: same weights, same search; greedy outputs are compared too, in
+fp32). An ensemble gives its first member as the model and its first two as the ensemble timed
+alone (fastattn only, fp32); otherwise the ensemble is the model twice.
 
 Precisions: fp32 against CTranslate2's float32, int8 against its int8 (fastattn's
 `precision="int8"`), bf16 against its bfloat16; fastattn's cells run for the precisions
@@ -56,7 +56,8 @@ import pytest
 import torch
 
 from benchmarks.common import CORES, QUICK, measure
-from fastattn import data, decoding
+from fastattn import data, decoding, pretrained
+from fastattn.checkpoint import load_model
 from fastattn.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.search import beam_search_step_python
@@ -73,8 +74,7 @@ CONFIGS = sorted({(1, CORES), (CORES, 1)})
 # fastattn's name of a precision -> CTranslate2's compute_type.
 COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16"}
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "checkpoints" / \
-    "multi30k-en-de" / "checkpoint_final.pt"
+SHIPPED = "multi30k-en-de"  # fastattn.pretrained's name of the multi30k model
 
 
 @dataclass
@@ -99,13 +99,10 @@ def random_sentencepiece():
 def load(name: str) -> Model:
     """The model of that name (see the module docstring), built on first use."""
     if name == "multi30k":
-        path = os.environ.get("FASTATTN_BENCH_CHECKPOINT") or (
-            DEFAULT_CHECKPOINT if DEFAULT_CHECKPOINT.exists() else None)
-        if path and path != "random":
-            from fastattn.checkpoint import load_model
-
-            model, sp, _ = load_model(path)
-            kind = f"multi30k, trained ({Path(path).name})"
+        path = os.environ.get("FASTATTN_BENCH_CHECKPOINT")
+        if path != "random":
+            model, sp, _ = load_model(path) if path else pretrained.load(SHIPPED)
+            kind = f"multi30k, trained ({Path(path).name if path else f'shipped {SHIPPED}'})"
             if isinstance(model, Ensemble):
                 first, second = model.members[:2]
                 return Model(first, Ensemble([first, second]).eval(), sp, f"{kind}, 1st member")
