@@ -18,7 +18,8 @@ What counts, per op call:
 - a host sync: reading a device value on the host (Tensor.item(), .tolist(), float(tensor), a
   copy to the CPU) and the ops whose output size depends on the data (nonzero, boolean
   indexing, masked_select, unique), which wait for the device to know it;
-- bytes copied: what copies and casts write (copy_, _to_copy, clone, contiguous's copy, cat);
+- bytes copied: what copies and casts write (copy_, _foreach_copy_, _to_copy, clone,
+  contiguous's copy, cat);
 - host-to-device copies, counted apart (the batch's own are one per tensor).
 
 Autocast: meta tensors have no autocast of their own, so the mode applies CUDA autocast's rule
@@ -67,7 +68,9 @@ SYNCS = {
     aten.masked_select.default: "masked_select (output size depends on the data)",
     aten._unique2.default: "unique (output size depends on the data)",
 }
-COPIES = {aten.copy_.default, aten._to_copy.default, aten.clone.default, aten.cat.default}
+COPIES = {aten.copy_.default, aten._to_copy.default, aten.clone.default, aten.cat.default,
+          aten._foreach_copy_.default}
+IN_PLACE_COPIES = {aten.copy_.default, aten._foreach_copy_.default}  # they write their first input
 # CUDA autocast's lower-precision list, for the functions the model calls.
 AUTOCAST_FUNCTIONS = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
                       torch.Tensor.matmul, torch.Tensor.__matmul__}
@@ -162,7 +165,7 @@ class CudaPathCounter(TorchDispatchMode):
         else:
             self.counts.launches[name] += 1
         if func in COPIES:
-            self.counts.copied[name] += _bytes(out if func is not aten.copy_.default else args[0])
+            self.counts.copied[name] += _bytes(args[0] if func in IN_PLACE_COPIES else out)
         return out
 
 

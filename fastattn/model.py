@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fastattn import decoding, ops
+from fastattn.autocast import batched_weight_casts
 from fastattn.decoding import DecodingState
 from fastattn.modules import ResidualLayerNorm
 from fastattn.rdrop import linear_rdrop_loss
@@ -448,10 +449,16 @@ class Transformer(nn.Module):
         check_tokens("tgt_in", tgt_in, self.cfg.vocab_size)
         return self.decoder(self.embedding(tgt_in), memory, memory_mask)
 
+    def hidden(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model): encode, then decode,
+        with autocast's weight casts batched per layer (fastattn.autocast)."""
+        with batched_weight_casts([*self.encoder.layers, *self.decoder.layers],
+                                  src.device.type):
+            return self.decode(tgt_in, *self.encode(src))
+
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, cfg.output_size) for the next tokens."""
-        hidden = self.decode(tgt_in, *self.encode(src))
-        return F.linear(hidden, self.output_weight)
+        return F.linear(self.hidden(src, tgt_in), self.output_weight)
 
     @property
     def output_weight(self) -> Tensor:
@@ -468,7 +475,7 @@ class Transformer(nn.Module):
         (without gradient; exp of its mean is the perplexity). `tokens`: tgt_out's non-padding
         count if known, which spares a GPU a host sync (fastattn.tokens.non_padding)."""
         check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
-        hidden = self.decode(tgt_in, *self.encode(src))
+        hidden = self.hidden(src, tgt_in)
         real = non_padding(tgt_out, self.cfg.pad_id, tokens)  # padding costs no projection
         return ops.linear_cross_entropy(
             rows(hidden, real), self.output_weight, rows(tgt_out, real),
@@ -484,7 +491,7 @@ class Transformer(nn.Module):
         their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL;
         `tokens` as in loss()."""
         check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
-        hidden = self.decode(torch.cat([tgt_in, tgt_in]), *self.encode(torch.cat([src, src])))
+        hidden = self.hidden(torch.cat([src, src]), torch.cat([tgt_in, tgt_in]))
         real = non_padding(tgt_out, self.cfg.pad_id, tokens)
         h1, h2 = (rows(h, real) for h in hidden.chunk(2))
         loss, nll = linear_rdrop_loss(h1, h2, self.output_weight, rows(tgt_out, real),

@@ -1,0 +1,86 @@
+"""fastattn.autocast.batched_weight_casts: under autocast the same loss and gradients, bit for bit,
+as autocast's own per-weight casts; the parameters untouched and restored; nothing without
+autocast. (benchmarks/launches.py counts the launches it saves on the CUDA path.)"""
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+
+import fastattn.autocast
+import fastattn.model
+from fastattn.autocast import batched_weight_casts
+from fastattn.model import Transformer, TransformerConfig
+
+TINY = TransformerConfig(vocab_size=53, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=48,
+                         heads=4, dropout=0.1, pad_id=0)
+
+
+def batch():
+    g = torch.Generator().manual_seed(3)
+    src, tgt = torch.randint(3, 53, (3, 7), generator=g), torch.randint(3, 53, (3, 6), generator=g)
+    src[1, 4:] = 0
+    tgt[2, 3:] = 0
+    return src, tgt[:, :-1], tgt[:, 1:]
+
+
+def loss_and_grads(model, rdrop):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)  # the same dropout masks
+    with torch.autocast("cpu", torch.bfloat16):
+        loss = model.rdrop_loss(*batch(), 0.5, reduction="sum") if rdrop else \
+            model.loss(*batch(), reduction="sum")
+    (loss * 3.7).backward()  # a gradient that is not 1
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("rdrop", [False, True])
+def test_batched_casts_give_autocasts_loss_and_gradients_bit_for_bit(rdrop, monkeypatch):
+    torch.manual_seed(0)
+    model = Transformer(TINY).train()
+    calls = []
+    apply = fastattn.autocast._CastAll.apply
+    monkeypatch.setattr(fastattn.autocast._CastAll, "apply",
+                        lambda *a: calls.append(len(a) - 1) or apply(*a))
+    batched, batched_grads = loss_and_grads(model, rdrop)
+    # One cast per layer of its linear maps' weights and biases: 4 maps per encoder layer, 7 per
+    # decoder layer.
+    assert calls == [8, 8, 14, 14]
+    monkeypatch.setattr(fastattn.model, "batched_weight_casts",
+                        lambda *a: contextlib.nullcontext())
+    plain, plain_grads = loss_and_grads(model, rdrop)
+    assert torch.equal(batched, plain)
+    assert batched_grads.keys() == plain_grads.keys()
+    for name, grad in batched_grads.items():
+        assert grad.dtype == torch.float32, name
+        assert torch.equal(grad, plain_grads[name]), name
+
+
+def test_copies_shadow_the_parameters_only_inside_the_block():
+    layer = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3, bias=False))
+    weights = [p for p in layer.parameters()]
+    with torch.autocast("cpu", torch.bfloat16), batched_weight_casts([layer], "cpu"):
+        assert layer[0].weight.dtype == torch.bfloat16 and layer[0].bias.dtype == torch.bfloat16
+        assert layer[2].weight.dtype == torch.bfloat16 and layer[2].bias is None
+        assert torch.equal(layer[0].weight, weights[0].detach().bfloat16())
+        assert list(layer.parameters()) == weights  # the optimiser's view is unchanged
+        y = layer(torch.randn(2, 4))
+    assert y.dtype == torch.bfloat16
+    assert [layer[0].weight, layer[0].bias, layer[2].weight] == weights
+    y.float().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in weights)
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with torch.autocast("cpu", torch.bfloat16), batched_weight_casts([layer], "cpu"):
+            raise RuntimeError("inside")
+    assert layer[0].weight is weights[0]  # restored after an exception too
+
+
+def test_without_autocast_nothing_changes():
+    layer = nn.Linear(4, 5)
+    with batched_weight_casts([layer], "cpu"):
+        assert layer.weight is layer._parameters["weight"]
+    with torch.autocast("cpu", torch.bfloat16, enabled=False), batched_weight_casts([layer],
+                                                                                     "cpu"):
+        assert layer.weight.dtype == torch.float32
