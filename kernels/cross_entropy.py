@@ -91,10 +91,16 @@ def _launch_config(vocab: int) -> dict:
 
 
 def cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, smoothing: float,
-                          ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row (loss, nll, lse), all fp32, for logits (N, V) with unit column stride."""
+                          ignore_index: int, loss: torch.Tensor | None = None,
+                          nll: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row (loss, nll, lse), all fp32, for logits (N, V) with unit column stride; loss and
+    nll are written into the given contiguous (N,) fp32 tensors (e.g. a chunk's rows of the
+    whole batch's), if any."""
     N, V = logits.shape
-    loss, nll, lse = (torch.empty(N, dtype=torch.float32, device=logits.device) for _ in range(3))
+    loss, nll = (torch.empty(N, dtype=torch.float32, device=logits.device) if t is None else t
+                 for t in (loss, nll))
+    lse = torch.empty(N, dtype=torch.float32, device=logits.device)
     _cross_entropy_fwd_kernel[(N,)](
         logits, target, loss, nll, lse, logits.stride(0), V, smoothing, ignore_index,
         **_launch_config(V),

@@ -172,6 +172,9 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng)
     ctx.causal, ctx.dropout_p, ctx.scale, ctx.impl = causal, dropout_p, scale, impl
     ctx.mark_non_differentiable(lse)
+    # No zeros launched for lse's gradient, which never exists; out's always does (the one
+    # differentiable output: backward runs only for it).
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, grad_lse):

@@ -250,25 +250,39 @@ def _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_inde
 
 
 
-def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index, impl):
+def _cross_entropy_grad(logits, target, row_weight, smoothing, ignore_index, impl, out=None):
     """(loss, nll) of a logits chunk, linear_cross_entropy's own buffer, which is overwritten
-    with the gradient by `impl`."""
-    if impl == "fastattn._C":
-        return torch.ops.fastattn.cpu_cross_entropy_grad(
-            logits, target, row_weight.float(), smoothing, ignore_index
-        )
+    with the gradient by `impl`; written into `out` (two (N,) fp32 tensors) if given, where the
+    Triton kernel writes them directly (a GPU launches no copy)."""
     if impl.startswith("triton"):
-        loss, nll, lse = kernels.cross_entropy_forward(logits, target, smoothing, ignore_index)
+        loss, nll, lse = kernels.cross_entropy_forward(logits, target, smoothing, ignore_index,
+                                                       *(out or ()))
         kernels.cross_entropy_backward(logits, target, lse, row_weight, smoothing, ignore_index,
                                        logits)
         return loss, nll
-    return _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index)
+    if impl == "fastattn._C":
+        rows = torch.ops.fastattn.cpu_cross_entropy_grad(
+            logits, target, row_weight.float(), smoothing, ignore_index
+        )
+    else:
+        rows = _cross_entropy_grad_torch(logits, target, row_weight, smoothing, ignore_index)
+    return _into(rows, out)
 
 
-def _cross_entropy_loss(logits, target, smoothing, ignore_index, impl):
+def _cross_entropy_loss(logits, target, smoothing, ignore_index, impl, out=None):
+    """(loss, nll) of a logits chunk, into `out` if given, as _cross_entropy_grad."""
     if impl.startswith("triton"):
-        return kernels.cross_entropy_forward(logits, target, smoothing, ignore_index)[:2]
-    return _cross_entropy_rows_torch(logits, target, smoothing, ignore_index)
+        return kernels.cross_entropy_forward(logits, target, smoothing, ignore_index,
+                                             *(out or ()))[:2]
+    return _into(_cross_entropy_rows_torch(logits, target, smoothing, ignore_index), out)
+
+
+def _into(rows, out):
+    if out is None:
+        return rows
+    for destination, values in zip(out, rows, strict=True):
+        destination.copy_(values)
+    return out
 
 
 def _logits_buffer(hidden: torch.Tensor, rows: int, V: int) -> torch.Tensor:
@@ -306,11 +320,10 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, smoothing, ignore
         else:
             torch.addmm(bias, h, weight.T, out=logits)
         if not grads:
-            loss[part], nll[part] = _cross_entropy_loss(logits, t, smoothing, ignore_index, impl)
+            _cross_entropy_loss(logits, t, smoothing, ignore_index, impl, (loss[part], nll[part]))
             continue
-        loss[part], nll[part] = _cross_entropy_grad(
-            logits, t, row_weight[part], smoothing, ignore_index, impl
-        )
+        _cross_entropy_grad(logits, t, row_weight[part], smoothing, ignore_index, impl,
+                            (loss[part], nll[part]))
         grad = logits
         torch.mm(grad, weight, out=dhidden[part])
         if dweight.dtype == grad.dtype:
