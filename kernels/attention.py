@@ -404,6 +404,11 @@ BWD_DQ_CONFIGS = {
 # Ampere takes 32 there (162-226, none). `python -m benchmarks.attention_tiles`; the ranges span
 # the six variants it compiles.
 SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2): (32, 64, 8, 2)}
+# dQ on Ampere for the heaviest variant, a mask per query with causal and dropout (the drop-in
+# can launch it, the model never does): at head dim 64 in 16 bits the shared 128 x 32 tile sits
+# at the 255-register cap there, where the launched variants take 169-241; 64 x 32 takes 236, no
+# spill. `python -m benchmarks.attention_tiles --kernel _attn_bwd_dq --head-dim 64`.
+SM80_HEAVIEST_BWD_DQ_CONFIGS = {**BWD_DQ_CONFIGS, (64, 2): (64, 32, 8, 3)}
 DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
 
 
@@ -463,8 +468,10 @@ def compile_configs() -> list[dict]:
     table entry (padded head dim x element size; bf16 shares fp16's tiles, and head dims such as
     40, 80, 96 their padded entry's; fp32 both exact and with tf32 allowed) for the forward, both
     backward passes and the Delta pass. Each kernel is compiled in its heaviest feature set (bool
-    mask per query, causal, dropout), which holds the most live registers. An entry only one
-    architecture launches (SM90_BWD_DKDV_CONFIGS's) names it in "archs"."""
+    mask per query, causal, dropout), the one the tables were sized for (not always the one with
+    the most registers: docs/benchmark-notes.md). An entry only one
+    architecture launches (SM90_BWD_DKDV_CONFIGS's, SM80_HEAVIEST_BWD_DQ_CONFIGS's) names it in
+    "archs"."""
     variants = {2: [("fp16", "tf32")], 4: [("fp32", "ieee"), ("fp32 tf32", "tf32")]}
     configs = []
     for block_d, element_size in FWD_CONFIGS:
@@ -476,6 +483,8 @@ def compile_configs() -> list[dict]:
             key = (block_d, element_size)
             if SM90_BWD_DKDV_CONFIGS[key] != BWD_DKDV_CONFIGS[key]:
                 tables.append((_attn_bwd_dkdv, SM90_BWD_DKDV_CONFIGS, " sm90-tile"))
+            if SM80_HEAVIEST_BWD_DQ_CONFIGS[key] != BWD_DQ_CONFIGS[key]:
+                tables.append((_attn_bwd_dq, SM80_HEAVIEST_BWD_DQ_CONFIGS, " sm80-tile"))
             for kernel, table, suffix in tables:
                 block_m, block_n, num_warps, num_stages = _config(table, block_d, dtype)
                 config = dict(
@@ -487,8 +496,10 @@ def compile_configs() -> list[dict]:
                     num_warps=num_warps, num_stages=num_stages)
                 if kernel is _attn_bwd_dkdv and SM90_BWD_DKDV_CONFIGS[key] != table[key]:
                     config["archs"] = (70, 80)  # Hopper launches the sm90-tile entry instead
+                elif kernel is _attn_bwd_dq and SM80_HEAVIEST_BWD_DQ_CONFIGS[key] != table[key]:
+                    config["archs"] = (90,)  # Ampere launches the sm80-tile entry instead
                 elif suffix:
-                    config["archs"] = (90,)
+                    config["archs"] = (90,) if suffix == " sm90-tile" else (70, 80)
                 configs.append(config)
         dtype_name = _TRITON_DTYPES[dtype]
         configs.append(dict(
@@ -591,7 +602,10 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     _attn_bwd_dkdv[(triton.cdiv(lk, block_n) * b * h,)](
         q, k, v, mask, grad_out, lse, delta, dk, dv, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
-    block_m, block_n, num_warps, num_stages = _config(BWD_DQ_CONFIGS, d, q.dtype)
+    heaviest = (mask_flags["MASK_KIND"] != NO_MASK and not mask_flags["KEY_MASK"]
+                and causal is not None and dropout_p > 0)
+    dq_table = SM80_HEAVIEST_BWD_DQ_CONFIGS if heaviest and _sm(q) != 90 else BWD_DQ_CONFIGS
+    block_m, block_n, num_warps, num_stages = _config(dq_table, d, q.dtype)
     _attn_bwd_dq[(triton.cdiv(lq, block_m) * b * h,)](
         q, k, v, mask, grad_out, lse, delta, dq, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)

@@ -187,6 +187,22 @@ def test_dropout_forward_and_backward_use_one_mask(lq, lk, d, causal, mask):
                              dropout_keep=keep, grad_out=grad_out, atol=2e-5)
 
 
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
+def test_mask_per_query_with_causal_and_dropout_in_16_bits(seeded, dtype):
+    """The heaviest variant at head dim 64 in 16 bits, whose dQ pass takes its own tile on
+    Ampere (kernels/attention.py's SM80_HEAVIEST_BWD_DQ_CONFIGS: the interpreter launches
+    Ampere's tables), over more queries than one tile of either size."""
+    p = 0.2
+    q, k, v = _inputs(97, 65, 64, dtype)
+    attn_mask = _masks(2, 3, 97, 65)["bool_full"]
+    grad_out = torch.randn_like(q)
+    torch.manual_seed(99)
+    keep = _dropout_keep_mask(q, k, p)
+    torch.manual_seed(99)
+    _check_against_reference(q, k, v, causal=True, attn_mask=attn_mask, dropout_p=p,
+                             dropout_keep=keep, grad_out=grad_out, atol=1e-3)
+
+
 def test_dropout_keep_rate_and_fresh_mask_per_call(seeded):
     p = 0.25
     q, k, _ = _inputs(64, 64, 16, torch.float32, batch=1, heads=2)

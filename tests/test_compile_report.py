@@ -69,13 +69,30 @@ def test_subset_compiles_every_kernel_and_attention_at_64_and_128():
     assert {c["constexprs"]["HEAD_DIM"] for c in fp16} >= {64, 128}
 
 
-@pytest.mark.slow
-def test_attention_up_to_head_dim_128_spills_nothing(report):
+def attention_rows(report, max_head_dim=128):
     head_dim = {c["name"]: c["constexprs"]["HEAD_DIM"] for c in checked_configs(attention)}
-    spilled = [(r["name"], r["arch"], r["spill_bytes"]) for r in report
-               if r["module"] == attention.__name__ and head_dim[r["name"]] <= 128
-               and r["spill_bytes"] > 0]
+    return [r for r in report
+            if r["module"] == attention.__name__ and head_dim[r["name"]] <= max_head_dim]
+
+
+@pytest.mark.slow
+def test_attention_up_to_head_dim_128_spills_nothing_and_stays_under_the_cap(report):
+    """No spill, and no configuration at the 255-register cap (one more live value spills)."""
+    spilled = [(r["name"], r["arch"], r["spill_bytes"]) for r in attention_rows(report)
+               if r["spill_bytes"] > 0]
     assert not spilled, f"configurations that spill: {spilled}"
+    capped = [(r["name"], r["arch"]) for r in attention_rows(report) if r["registers"] >= 255]
+    assert not capped, f"configurations at the register cap: {capped}"
+
+
+@pytest.mark.slow
+def test_hopper_attention_matmuls_up_to_head_dim_128_run_on_wgmma_in_16_bit(report):
+    """Every forward, dK/dV and dQ kernel Hopper launches in 16 bits at head dims up to 128."""
+    rows = [r for r in attention_rows(report) if r["arch"] == 90
+            and "fp16" in r["name"].split() and "delta" not in r["name"]]
+    assert {r["name"].split()[0] for r in rows} == {"_attn_fwd", "_attn_bwd_dkdv",
+                                                    "_attn_bwd_dq"}
+    assert [r["name"] for r in rows if not r["wgmma"]] == []
 
 
 @pytest.mark.slow
