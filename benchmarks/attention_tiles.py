@@ -5,6 +5,7 @@ compilation on one core the first time (Triton caches them).
 
     python -m benchmarks.attention_tiles [--kernel _attn_bwd_dkdv] [--head-dim 64] [--json PATH]
     python -m benchmarks.attention_tiles --kernel _attn_fwd --head-dim 256 --tile 32 32 4 2
+    python -m benchmarks.attention_tiles --shipped --variant causal   # the launchers' tiles only
 
 Prints one line per (kernel, head dim, dtype, variant, tile, arch).
 """
@@ -21,17 +22,6 @@ import torch
 from fastattn.kernels import attention
 from fastattn.kernels.compile_report import compile_config
 
-# The feature sets the model and the drop-in launch: (MASK_KIND, KEY_MASK, CAUSAL, DROPOUT);
-# "heaviest" is the one the shipped tables were sized for, which the model never launches.
-VARIANTS = {
-    "key padding": (attention.BOOL_MASK, True, False, False),  # encoder self, cross attention
-    "key padding+dropout": (attention.BOOL_MASK, True, False, True),
-    "causal": (attention.NO_MASK, False, True, False),  # decoder self-attention
-    "causal+dropout": (attention.NO_MASK, False, True, True),
-    # The drop-in's key_padding_mask with is_causal and dropout (the model never combines them).
-    "key padding+causal+dropout": (attention.BOOL_MASK, True, True, True),
-    "heaviest": (attention.BOOL_MASK, False, True, True),  # mask per query + causal + dropout
-}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates besides the shipped one for the head dim
 # and architecture, which is tried first.
 TILES = {
@@ -49,30 +39,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtype", nargs="+", default=["fp16", "bf16"])
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    parser.add_argument("--variant", nargs="+", default=list(attention.VARIANTS),
+                        choices=list(attention.VARIANTS))
     parser.add_argument("--tile", type=int, nargs=4, action="append", metavar=("M", "N", "W", "S"),
                         help="try this (BLOCK_M, BLOCK_N, warps, stages) instead of the list")
+    parser.add_argument("--shipped", action="store_true",
+                        help="only the tile the launchers pick (kernels/attention.launch_tile)")
     parser.add_argument("--json", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     rows = []
     for name in args.kernel:
         fn = getattr(attention, name)
-        for d, dtype, (variant, (mask, key, causal, dropout)), arch in itertools.product(
-                args.head_dim, args.dtype, VARIANTS.items(), args.arch):
-            tiles = [tuple(t) for t in args.tile] if args.tile else TILES[name]
-            for tile in dict.fromkeys([shipped(name, d, arch), *tiles]):
+        for d, dtype, variant, arch in itertools.product(args.head_dim, args.dtype, args.variant,
+                                                          args.arch):
+            mask, key, causal, dropout = attention.VARIANTS[variant]
+            tiles = [] if args.shipped else [tuple(t) for t in args.tile] if args.tile \
+                else TILES[name]
+            shipped = attention.launch_tile(
+                name, d, torch.float16, arch, query_mask=mask != attention.NO_MASK and not key,
+                causal=causal, dropout=dropout)
+            for tile in dict.fromkeys([shipped, *tiles]):
                 rows.append(compile_tile(fn, name, d, dtype, variant, mask, key, causal, dropout,
                                          tile, arch))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
-
-
-def shipped(name: str, head_dim: int, arch: int) -> tuple[int, int, int, int]:
-    """The tile the launchers pick for 16-bit inputs at this head dim on this architecture."""
-    table = {"_attn_fwd": attention.FWD_CONFIGS, "_attn_bwd_dq": attention.BWD_DQ_CONFIGS,
-             "_attn_bwd_dkdv": attention.SM90_BWD_DKDV_CONFIGS if arch == 90
-             else attention.BWD_DKDV_CONFIGS}[name]
-    return attention._config(table, head_dim, torch.float16)
 
 
 def compile_tile(fn, name, d, dtype, variant, mask, key, causal, dropout, tile, arch) -> dict:

@@ -409,6 +409,19 @@ SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2):
 # at the 255-register cap there, where the launched variants take 169-241; 64 x 32 takes 236, no
 # spill. `python -m benchmarks.attention_tiles --kernel _attn_bwd_dq --head-dim 64`.
 SM80_HEAVIEST_BWD_DQ_CONFIGS = {**BWD_DQ_CONFIGS, (64, 2): (64, 32, 8, 3)}
+# Feature sets the model and the drop-in launch, as (MASK_KIND, KEY_MASK, CAUSAL, DROPOUT), for
+# the compile checks (benchmarks/attention_tiles.py, tests/test_compile_report.py): the model's
+# four (MODEL_VARIANTS), the drop-in's key padding with is_causal and dropout, and "heaviest", a
+# mask per query with causal and dropout, the one compile_configs() compiles.
+VARIANTS = {
+    "key padding": (BOOL_MASK, True, False, False),  # encoder self-attention, cross attention
+    "key padding+dropout": (BOOL_MASK, True, False, True),
+    "causal": (NO_MASK, False, True, False),  # decoder self-attention
+    "causal+dropout": (NO_MASK, False, True, True),
+    "key padding+causal+dropout": (BOOL_MASK, True, True, True),
+    "heaviest": (BOOL_MASK, False, True, True),
+}
+MODEL_VARIANTS = ("key padding", "key padding+dropout", "causal", "causal+dropout")
 DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
 
 
@@ -427,6 +440,21 @@ def _sm(x: torch.Tensor) -> int:
 
 def _config(table: dict, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return table[(_block_d(head_dim), 4 if dtype == torch.float32 else 2)]
+
+
+def launch_tile(kernel: str, head_dim: int, dtype: torch.dtype, arch: int, *,
+                query_mask: bool, causal: bool, dropout: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the launchers pick for `kernel` ("_attn_fwd",
+    "_attn_bwd_dkdv" or "_attn_bwd_dq") on arch (10 x major + minor) for a variant: query_mask,
+    a mask that differs per query (not key padding); causal; dropout."""
+    if kernel == "_attn_fwd":
+        table = FWD_CONFIGS
+    elif kernel == "_attn_bwd_dkdv":
+        table = SM90_BWD_DKDV_CONFIGS if arch == 90 else BWD_DKDV_CONFIGS
+    else:
+        heaviest = query_mask and causal and dropout
+        table = SM80_HEAVIEST_BWD_DQ_CONFIGS if heaviest and arch != 90 else BWD_DQ_CONFIGS
+    return _config(table, head_dim, dtype)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -515,6 +543,12 @@ def compile_configs() -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
+def _variant(mask_flags: dict, causal: str | None, dropout_p: float) -> dict[str, bool]:
+    """launch_tile's variant keywords for a launch."""
+    query_mask = mask_flags["MASK_KIND"] != NO_MASK and not mask_flags["KEY_MASK"]
+    return dict(query_mask=query_mask, causal=causal is not None, dropout=dropout_p > 0)
+
+
 def _mask_args(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):
     """(tensor, (batch, head, query) strides, constexpr flags) describing the mask to the
     kernels, which read keys with unit stride (contiguous loads) and broadcast dims with stride 0;
@@ -562,7 +596,9 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
-    block_m, block_n, num_warps, num_stages = _config(FWD_CONFIGS, d, q.dtype)
+    variant = _variant(mask_flags, causal, dropout_p)
+    block_m, block_n, num_warps, num_stages = launch_tile("_attn_fwd", d, q.dtype, _sm(q),
+                                                          **variant)
     grid = (triton.cdiv(lq, block_m) * b * h,)
     _attn_fwd[grid](
         q, k, v, mask, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
@@ -597,15 +633,14 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                offset)
     flags = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), **mask_flags, CAUSAL=causal is not None,
                  DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype))
-    dkdv_table = SM90_BWD_DKDV_CONFIGS if _sm(q) == 90 else BWD_DKDV_CONFIGS
-    block_m, block_n, num_warps, num_stages = _config(dkdv_table, d, q.dtype)
+    variant = _variant(mask_flags, causal, dropout_p)
+    block_m, block_n, num_warps, num_stages = launch_tile("_attn_bwd_dkdv", d, q.dtype, _sm(q),
+                                                          **variant)
     _attn_bwd_dkdv[(triton.cdiv(lk, block_n) * b * h,)](
         q, k, v, mask, grad_out, lse, delta, dk, dv, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
-    heaviest = (mask_flags["MASK_KIND"] != NO_MASK and not mask_flags["KEY_MASK"]
-                and causal is not None and dropout_p > 0)
-    dq_table = SM80_HEAVIEST_BWD_DQ_CONFIGS if heaviest and _sm(q) != 90 else BWD_DQ_CONFIGS
-    block_m, block_n, num_warps, num_stages = _config(dq_table, d, q.dtype)
+    block_m, block_n, num_warps, num_stages = launch_tile("_attn_bwd_dq", d, q.dtype, _sm(q),
+                                                          **variant)
     _attn_bwd_dq[(triton.cdiv(lq, block_m) * b * h,)](
         q, k, v, mask, grad_out, lse, delta, dq, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
