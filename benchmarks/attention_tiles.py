@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> None:
             mask, key, causal, dropout = attention.VARIANTS[variant]
             tiles = [] if args.shipped else [tuple(t) for t in args.tile] if args.tile \
                 else TILES[name]
-            shipped = attention.launch_tile(
-                name, d, torch.float16, arch, query_mask=mask != attention.NO_MASK and not key,
-                causal=causal, dropout=dropout)
+            variant_flags = attention._variant_of(mask, key, causal, dropout)
+            shipped = attention.launch_tile(name, d, torch.float16, arch,
+                                            **dict(zip(("mask", "causal", "dropout"),
+                                                       variant_flags, strict=True)))
             for tile in dict.fromkeys([shipped, *tiles]):
                 rows.append(compile_tile(fn, name, d, dtype, variant, mask, key, causal, dropout,
                                          tile, arch))

@@ -404,11 +404,6 @@ BWD_DQ_CONFIGS = {
 # Ampere takes 32 there (162-226, none). `python -m benchmarks.attention_tiles`; the ranges span
 # the six variants it compiles.
 SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2): (32, 64, 8, 2)}
-# dQ on Ampere for the heaviest variant, a mask per query with causal and dropout (the drop-in
-# can launch it, the model never does): at head dim 64 in 16 bits the shared 128 x 32 tile sits
-# at the 255-register cap there, where the launched variants take 169-241; 64 x 32 takes 236, no
-# spill. `python -m benchmarks.attention_tiles --kernel _attn_bwd_dq --head-dim 64`.
-SM80_HEAVIEST_BWD_DQ_CONFIGS = {**BWD_DQ_CONFIGS, (64, 2): (64, 32, 8, 3)}
 # Feature sets the model and the drop-in launch, as (MASK_KIND, KEY_MASK, CAUSAL, DROPOUT), for
 # the compile checks (benchmarks/attention_tiles.py, tests/test_compile_report.py): the model's
 # four (MODEL_VARIANTS), the drop-in's key padding with is_causal and dropout, and "heaviest", a
@@ -422,6 +417,17 @@ VARIANTS = {
     "heaviest": (BOOL_MASK, False, True, True),
 }
 MODEL_VARIANTS = ("key padding", "key padding+dropout", "causal", "causal+dropout")
+# Tiles of one variant on some architectures, where its entry's tile spills or sits at the
+# 255-register cap for it (`python -m benchmarks.attention_tiles --shipped` compiles every
+# variant with the launchers' tiles): (kernel, variant, archs) -> {(block_d, element size): tile}.
+VARIANT_TILES = {
+    # dQ, the heaviest variant (the drop-in's, never the model's), d = 64 in 16 bits: 128 x 32
+    # sat at 255 registers on sm_80 (the model's variants 169-241); 64 x 32 takes 236, no spill.
+    ("_attn_bwd_dq", "heaviest", (70, 80)): {(64, 2): (64, 32, 8, 3)},
+    # Forward, key padding with causal and dropout (the drop-in's), d = 16 in 16 bits: 128 x 32
+    # spilled 8 B on sm_80 (ptxas held it to 128 registers); 128 x 16 takes 121, no spill.
+    ("_attn_fwd", "key padding+causal+dropout", (70, 80)): {(16, 2): (128, 16, 8, 3)},
+}
 DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
 
 
@@ -442,19 +448,35 @@ def _config(table: dict, head_dim: int, dtype: torch.dtype) -> tuple[int, int, i
     return table[(_block_d(head_dim), 4 if dtype == torch.float32 else 2)]
 
 
-def launch_tile(kernel: str, head_dim: int, dtype: torch.dtype, arch: int, *,
-                query_mask: bool, causal: bool, dropout: bool) -> tuple[int, int, int, int]:
+def launch_tile(kernel: str, head_dim: int, dtype: torch.dtype, arch: int, *, mask: str,
+                causal: bool, dropout: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) the launchers pick for `kernel` ("_attn_fwd",
-    "_attn_bwd_dkdv" or "_attn_bwd_dq") on arch (10 x major + minor) for a variant: query_mask,
-    a mask that differs per query (not key padding); causal; dropout."""
+    "_attn_bwd_dkdv" or "_attn_bwd_dq") on arch (10 x major + minor) for a variant: mask
+    "none", "key" (one row for every query: key padding) or "query" (a row per query), causal,
+    dropout. The entry's tile for the architecture, unless VARIANT_TILES has one for the
+    variant."""
+    entry = (_block_d(head_dim), 4 if dtype == torch.float32 else 2)
+    for (name, variant, archs), tiles in VARIANT_TILES.items():
+        if (name == kernel and arch in archs and entry in tiles
+                and _variant_of(*VARIANTS[variant]) == (mask, causal, dropout)):
+            return tiles[entry]
+    return _table_tile(kernel, entry, arch)
+
+
+def _table_tile(kernel: str, entry: tuple[int, int], arch: int) -> tuple[int, int, int, int]:
+    """The entry's tile in the block tables, for every variant VARIANT_TILES leaves alone."""
     if kernel == "_attn_fwd":
-        table = FWD_CONFIGS
-    elif kernel == "_attn_bwd_dkdv":
-        table = SM90_BWD_DKDV_CONFIGS if arch == 90 else BWD_DKDV_CONFIGS
-    else:
-        heaviest = query_mask and causal and dropout
-        table = SM80_HEAVIEST_BWD_DQ_CONFIGS if heaviest and arch != 90 else BWD_DQ_CONFIGS
-    return _config(table, head_dim, dtype)
+        return FWD_CONFIGS[entry]
+    if kernel == "_attn_bwd_dkdv":
+        return (SM90_BWD_DKDV_CONFIGS if arch == 90 else BWD_DKDV_CONFIGS)[entry]
+    return BWD_DQ_CONFIGS[entry]
+
+
+def _variant_of(mask_kind: int, key_mask: bool, causal: bool, dropout: bool
+                ) -> tuple[str, bool, bool]:
+    """launch_tile's (mask, causal, dropout) for the kernels' feature flags."""
+    mask = "none" if mask_kind == NO_MASK else "key" if key_mask else "query"
+    return mask, causal, dropout
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -491,44 +513,41 @@ def _kernel_signature(kernel, dtype_name: str, mask_kind: int, head_dim: int) ->
     return signature
 
 
+COMPILE_ARCHS = (70, 80, 90)  # the architectures the compile report compiles for
+
+
 def compile_configs() -> list[dict]:
     """Every configuration the launchers can pick, for fastattn.kernels.compile_report: each
     table entry (padded head dim x element size; bf16 shares fp16's tiles, and head dims such as
     40, 80, 96 their padded entry's; fp32 both exact and with tf32 allowed) for the forward, both
-    backward passes and the Delta pass. Each kernel is compiled in its heaviest feature set (bool
-    mask per query, causal, dropout), the one the tables were sized for (not always the one with
-    the most registers: docs/benchmark-notes.md). An entry only one
-    architecture launches (SM90_BWD_DKDV_CONFIGS's, SM80_HEAVIEST_BWD_DQ_CONFIGS's) names it in
-    "archs"."""
-    variants = {2: [("fp16", "tf32")], 4: [("fp32", "ieee"), ("fp32 tf32", "tf32")]}
+    backward passes and the Delta pass, each kernel in its heaviest variant (the one the tables
+    were sized for, not always the one with the most registers: docs/benchmark-notes.md), and
+    each VARIANT_TILES tile in its own variant. A tile only some architectures launch names them
+    in "archs" (and, unless it is the entry's own, its name says "smNN-tile" or "variant-tile")."""
+    precisions = {2: [("fp16", "tf32")], 4: [("fp32", "ieee"), ("fp32 tf32", "tf32")]}
     configs = []
     for block_d, element_size in FWD_CONFIGS:
         dtype = torch.float16 if element_size == 2 else torch.float32
-        for label, precision in variants[element_size]:
+        for label, precision in precisions[element_size]:
             dtype_name = label.split()[0]
-            tables = [(_attn_fwd, FWD_CONFIGS, ""), (_attn_bwd_dkdv, BWD_DKDV_CONFIGS, ""),
-                      (_attn_bwd_dq, BWD_DQ_CONFIGS, "")]
-            key = (block_d, element_size)
-            if SM90_BWD_DKDV_CONFIGS[key] != BWD_DKDV_CONFIGS[key]:
-                tables.append((_attn_bwd_dkdv, SM90_BWD_DKDV_CONFIGS, " sm90-tile"))
-            if SM80_HEAVIEST_BWD_DQ_CONFIGS[key] != BWD_DQ_CONFIGS[key]:
-                tables.append((_attn_bwd_dq, SM80_HEAVIEST_BWD_DQ_CONFIGS, " sm80-tile"))
-            for kernel, table, suffix in tables:
-                block_m, block_n, num_warps, num_stages = _config(table, block_d, dtype)
-                config = dict(
-                    name=f"{kernel.__name__} d={block_d} {label} mask+causal+dropout{suffix}",
-                    fn=kernel, signature=_kernel_signature(kernel, dtype_name, BOOL_MASK, block_d),
-                    constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=block_m,
-                                    BLOCK_N=block_n, MASK_KIND=BOOL_MASK, KEY_MASK=False,
-                                    CAUSAL=True, DROPOUT=True, DOT_PRECISION=precision),
-                    num_warps=num_warps, num_stages=num_stages)
-                if kernel is _attn_bwd_dkdv and SM90_BWD_DKDV_CONFIGS[key] != table[key]:
-                    config["archs"] = (70, 80)  # Hopper launches the sm90-tile entry instead
-                elif kernel is _attn_bwd_dq and SM80_HEAVIEST_BWD_DQ_CONFIGS[key] != table[key]:
-                    config["archs"] = (90,)  # Ampere launches the sm80-tile entry instead
-                elif suffix:
-                    config["archs"] = (90,) if suffix == " sm90-tile" else (70, 80)
-                configs.append(config)
+            for kernel in (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq):
+                base = _table_tile(kernel.__name__, (block_d, element_size), 80)
+                by_tile: dict[tuple, list[int]] = {}
+                for arch in COMPILE_ARCHS:
+                    tile = launch_tile(kernel.__name__, block_d, dtype, arch, mask="query",
+                                       causal=True, dropout=True)
+                    by_tile.setdefault(tile, []).append(arch)
+                for tile, archs in by_tile.items():
+                    suffix = "" if tile == base else f" sm{max(archs)}-tile"
+                    configs.append(_compile_config(
+                        kernel, block_d, label, dtype_name, precision, "heaviest", tile,
+                        f"mask+causal+dropout{suffix}",
+                        archs if len(by_tile) > 1 else None))
+            for (name, variant, archs), tiles in VARIANT_TILES.items():
+                if (block_d, element_size) in tiles and variant != "heaviest":
+                    configs.append(_compile_config(
+                        globals()[name], block_d, label, dtype_name, precision, variant,
+                        tiles[(block_d, element_size)], f"{variant} variant-tile", archs))
         dtype_name = _TRITON_DTYPES[dtype]
         configs.append(dict(
             name=f"_attn_bwd_delta d={block_d} {dtype_name}", fn=_attn_bwd_delta,
@@ -538,15 +557,32 @@ def compile_configs() -> list[dict]:
     return configs
 
 
+def _compile_config(kernel, block_d: int, label: str, dtype_name: str, precision: str,
+                    variant: str, tile: tuple, description: str, archs) -> dict:
+    mask_kind, key_mask, causal, dropout = VARIANTS[variant]
+    block_m, block_n, num_warps, num_stages = tile
+    config = dict(
+        name=f"{kernel.__name__} d={block_d} {label} {description}", fn=kernel,
+        signature=_kernel_signature(kernel, dtype_name, mask_kind, block_d),
+        constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
+                        MASK_KIND=mask_kind, KEY_MASK=key_mask, CAUSAL=causal, DROPOUT=dropout,
+                        DOT_PRECISION=precision),
+        num_warps=num_warps, num_stages=num_stages)
+    if archs is not None:
+        config["archs"] = tuple(archs)
+    return config
+
+
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
 
 
-def _variant(mask_flags: dict, causal: str | None, dropout_p: float) -> dict[str, bool]:
+def _variant(mask_flags: dict, causal: str | None, dropout_p: float) -> dict:
     """launch_tile's variant keywords for a launch."""
-    query_mask = mask_flags["MASK_KIND"] != NO_MASK and not mask_flags["KEY_MASK"]
-    return dict(query_mask=query_mask, causal=causal is not None, dropout=dropout_p > 0)
+    mask, causal, dropout = _variant_of(mask_flags["MASK_KIND"], mask_flags["KEY_MASK"],
+                                        causal is not None, dropout_p > 0)
+    return dict(mask=mask, causal=causal, dropout=dropout)
 
 
 def _mask_args(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):

@@ -11,6 +11,7 @@ import torch
 from conftest import INTERPRETED, assert_graded_close
 
 from fastattn.backend import implementation
+from fastattn.kernels import attention as kernels
 from fastattn.ops import attention
 from fastattn.ops.attention import _attention_forward_op, _dropout_keep_mask, attention_reference
 
@@ -187,14 +188,21 @@ def test_dropout_forward_and_backward_use_one_mask(lq, lk, d, causal, mask):
                              dropout_keep=keep, grad_out=grad_out, atol=2e-5)
 
 
-@pytest.mark.parametrize("dtype", LOW_PRECISION)
-def test_mask_per_query_with_causal_and_dropout_in_16_bits(seeded, dtype):
-    """The heaviest variant at head dim 64 in 16 bits, whose dQ pass takes its own tile on
-    Ampere (kernels/attention.py's SM80_HEAVIEST_BWD_DQ_CONFIGS: the interpreter launches
-    Ampere's tables), over more queries than one tile of either size."""
+VARIANT_TILE_CASES = [(variant, block_d)
+                      for (_, variant, _), tiles in kernels.VARIANT_TILES.items()
+                      for block_d, element_size in tiles if element_size == 2]
+
+
+@pytest.mark.parametrize("variant,d", VARIANT_TILE_CASES)
+def test_variant_tiles_in_16_bits(seeded, variant, d):
+    """The variants with a tile of their own on Ampere (kernels/attention.py's VARIANT_TILES;
+    the interpreter launches Ampere's tables) at their head dims in fp16, over more queries and
+    keys than one tile of either size."""
+    mask_kind, key_mask, causal, dropout = kernels.VARIANTS[variant]
+    assert mask_kind == kernels.BOOL_MASK and causal and dropout  # the cases built here
     p = 0.2
-    q, k, v = _inputs(97, 65, 64, dtype)
-    attn_mask = _masks(2, 3, 97, 65)["bool_full"]
+    q, k, v = _inputs(97, 65, d, torch.float16)
+    attn_mask = _masks(2, 3, 97, 65)["key_padding" if key_mask else "bool_full"]
     grad_out = torch.randn_like(q)
     torch.manual_seed(99)
     keep = _dropout_keep_mask(q, k, p)

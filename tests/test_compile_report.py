@@ -120,24 +120,25 @@ def test_hopper_dkdv_at_head_dims_64_and_128_runs_on_wgmma(report, head_dim):
 
 
 @pytest.mark.slow
-def test_the_models_variants_compile_clean_with_the_launchers_tiles(tmp_path):
+def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path):
     """compile_configs() compiles each entry in its heaviest variant, and ptxas does not allocate
-    monotonically in the features (docs/benchmark-notes.md), so the four variants the model
-    launches (key padding and causal, each with and without dropout) are compiled too, with the
-    tiles the launchers pick for them (benchmarks.attention_tiles --shipped), at head dims 64
-    (base, big) and 128 in fp16 (bf16 compiled to the same registers in every case measured):
-    no spill, under the register cap, wgmma on sm_90."""
+    monotonically in the features (docs/benchmark-notes.md), so every variant of
+    kernels.attention.VARIANTS (the model's four and the drop-in's) is compiled too, with the
+    tile the launchers pick for it (benchmarks.attention_tiles --shipped), at head dims 16 to 128
+    in fp16 (bf16 compiled to the same registers in every case measured): no spill, under the
+    register cap, wgmma on sm_90."""
     if not os.path.exists(_cuobjdump()):
         pytest.skip("Triton's bundled NVIDIA tools (ptxas, cuobjdump) are not installed")
     path = tmp_path / "tiles.json"
+    head_dims = ("16", "32", "64", "128")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-m", "benchmarks.attention_tiles", "--shipped",
-                    "--variant", *attention.MODEL_VARIANTS, "--head-dim", "64", "128",
-                    "--dtype", "fp16", "--arch", *map(str, ARCHS), "--json", str(path)],
+                    "--head-dim", *head_dims, "--dtype", "fp16", "--arch", *map(str, ARCHS),
+                    "--json", str(path)],
                    env=env, check=True, timeout=1800, capture_output=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = json.loads(path.read_text())
-    assert len(rows) == 3 * len(attention.MODEL_VARIANTS) * 2 * len(ARCHS)
+    assert len(rows) == 3 * len(attention.VARIANTS) * len(head_dims) * len(ARCHS)
     bad = [(r["name"], r["arch"], r["registers"], r["spill_bytes"]) for r in rows
            if r["spill_bytes"] or r["registers"] >= 255 or (r["arch"] == 90 and not r["wgmma"])]
     assert not bad, f"spilling, at the cap, or not wgmma on sm_90: {bad}"
