@@ -13,8 +13,10 @@ Prints one line per (kernel, head dim, dtype, variant, tile, arch).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import itertools
 import json
+import multiprocessing
 from dataclasses import asdict
 
 import torch
@@ -46,10 +48,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shipped", action="store_true",
                         help="only the tile the launchers pick (kernels/attention.launch_tile)")
     parser.add_argument("--json", help="also write the rows as JSON")
+    parser.add_argument("--jobs", type=int, default=1, help="compile on this many processes")
     args = parser.parse_args(argv)
-    rows = []
+    work = []
     for name in args.kernel:
-        fn = getattr(attention, name)
         for d, dtype, variant, arch in itertools.product(args.head_dim, args.dtype, args.variant,
                                                           args.arch):
             mask, key, causal, dropout = attention.VARIANTS[variant]
@@ -59,16 +61,23 @@ def main(argv: list[str] | None = None) -> None:
             shipped = attention.launch_tile(name, d, torch.float16, arch,
                                             **dict(zip(("mask", "causal", "dropout"),
                                                        variant_flags, strict=True)))
-            for tile in dict.fromkeys([shipped, *tiles]):
-                rows.append(compile_tile(fn, name, d, dtype, variant, mask, key, causal, dropout,
-                                         tile, arch))
+            work += [(name, d, dtype, variant, tile, arch)
+                     for tile in dict.fromkeys([shipped, *tiles])]
+    if args.jobs <= 1:
+        rows = [compile_tile(*item) for item in work]
+    else:
+        context = multiprocessing.get_context("spawn")  # fresh interpreters, as compile_report
+        with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+            rows = list(pool.map(compile_tile, *zip(*work, strict=True)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
 
 
-def compile_tile(fn, name, d, dtype, variant, mask, key, causal, dropout, tile, arch) -> dict:
+def compile_tile(name, d, dtype, variant, tile, arch) -> dict:
     """Compiles one (kernel, head dim, dtype, variant, tile) for arch; prints, returns its row."""
+    fn = getattr(attention, name)
+    mask, key, causal, dropout = attention.VARIANTS[variant]
     block_m, block_n, warps, stages = tile
     config = dict(
         name=f"{name} d={d} {dtype} {variant} {tile}", fn=fn,

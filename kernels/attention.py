@@ -404,28 +404,40 @@ BWD_DQ_CONFIGS = {
 # Ampere takes 32 there (162-226, none). `python -m benchmarks.attention_tiles`; the ranges span
 # the six variants it compiles.
 SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2): (32, 64, 8, 2)}
-# Feature sets the model and the drop-in launch, as (MASK_KIND, KEY_MASK, CAUSAL, DROPOUT), for
-# the compile checks (benchmarks/attention_tiles.py, tests/test_compile_report.py): the model's
-# four (MODEL_VARIANTS), the drop-in's key padding with is_causal and dropout, and "heaviest", a
-# mask per query with causal and dropout, the one compile_configs() compiles.
+# Every feature set the model and the drop-in can launch, as (MASK_KIND, KEY_MASK, CAUSAL,
+# DROPOUT), for the compile checks (benchmarks/attention_tiles.py, tests/test_compile_report.py):
+# no mask, key padding (one row for all queries; bool or float) or a mask per query (bool or
+# float), each with and without causal and dropout. MODEL_VARIANTS are the model's (encoder self
+# and cross attention: key padding; decoder self-attention: causal); compile_configs() compiles
+# HEAVIEST, the one the tables were first sized for.
+_MASKS = {"": (NO_MASK, False), "key padding": (BOOL_MASK, True),
+          "float key padding": (FLOAT_MASK, True), "mask": (BOOL_MASK, False),
+          "float mask": (FLOAT_MASK, False)}
 VARIANTS = {
-    "key padding": (BOOL_MASK, True, False, False),  # encoder self-attention, cross attention
-    "key padding+dropout": (BOOL_MASK, True, False, True),
-    "causal": (NO_MASK, False, True, False),  # decoder self-attention
-    "causal+dropout": (NO_MASK, False, True, True),
-    "key padding+causal+dropout": (BOOL_MASK, True, True, True),
-    "heaviest": (BOOL_MASK, False, True, True),
+    "+".join(part for part in (mask, "causal" * causal, "dropout" * dropout) if part) or "none":
+        (kind, key, causal, dropout)
+    for mask, (kind, key) in _MASKS.items() for causal in (False, True) for dropout in (False, True)
 }
+HEAVIEST = "mask+causal+dropout"
 MODEL_VARIANTS = ("key padding", "key padding+dropout", "causal", "causal+dropout")
 # Tiles of one variant on some architectures, where its entry's tile spills or sits at the
 # 255-register cap for it (`python -m benchmarks.attention_tiles --shipped` compiles every
 # variant with the launchers' tiles): (kernel, variant, archs) -> {(block_d, element size): tile}.
+# A variant here stands for its bool and float masks alike (launch_tile tells masks apart only as
+# none, key padding or per query). All are the drop-in's variants on Ampere in 16 bits; the
+# model's four keep the tables' tiles everywhere.
 VARIANT_TILES = {
-    # dQ, the heaviest variant (the drop-in's, never the model's), d = 64 in 16 bits: 128 x 32
-    # sat at 255 registers on sm_80 (the model's variants 169-241); 64 x 32 takes 236, no spill.
-    ("_attn_bwd_dq", "heaviest", (70, 80)): {(64, 2): (64, 32, 8, 3)},
-    # Forward, key padding with causal and dropout (the drop-in's), d = 16 in 16 bits: 128 x 32
-    # spilled 8 B on sm_80 (ptxas held it to 128 registers); 128 x 16 takes 121, no spill.
+    # dQ with a mask per query: 128 x 32 sat at the cap at d = 64 (mask, mask + dropout, the
+    # heaviest; the float ones likewise) and spilled 8 B at d = 32 (float mask); 64 x 32 takes
+    # 206-254 at 64 and 128 at 32, no spill. (mask + causal keeps 128 x 32: 244-248.)
+    ("_attn_bwd_dq", "mask", (70, 80)): {(32, 2): (64, 32, 8, 3), (64, 2): (64, 32, 8, 3)},
+    ("_attn_bwd_dq", "mask+dropout", (70, 80)): {(64, 2): (64, 32, 8, 3)},
+    ("_attn_bwd_dq", HEAVIEST, (70, 80)): {(64, 2): (64, 32, 8, 3)},
+    # The forward at d = 64, a mask per query with causal and dropout: 128 x 64 at 254-255;
+    # 64 x 64 takes 230-234.
+    ("_attn_fwd", HEAVIEST, (70, 80)): {(64, 2): (64, 64, 8, 3)},
+    # The forward at d = 16, key padding with causal and dropout: 128 x 32 spilled 8 B (ptxas held
+    # it to 128 registers); 128 x 16 takes 121, no spill.
     ("_attn_fwd", "key padding+causal+dropout", (70, 80)): {(16, 2): (128, 16, 8, 3)},
 }
 DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
@@ -540,11 +552,11 @@ def compile_configs() -> list[dict]:
                 for tile, archs in by_tile.items():
                     suffix = "" if tile == base else f" sm{max(archs)}-tile"
                     configs.append(_compile_config(
-                        kernel, block_d, label, dtype_name, precision, "heaviest", tile,
+                        kernel, block_d, label, dtype_name, precision, HEAVIEST, tile,
                         f"mask+causal+dropout{suffix}",
                         archs if len(by_tile) > 1 else None))
             for (name, variant, archs), tiles in VARIANT_TILES.items():
-                if (block_d, element_size) in tiles and variant != "heaviest":
+                if (block_d, element_size) in tiles and variant != HEAVIEST:
                     configs.append(_compile_config(
                         globals()[name], block_d, label, dtype_name, precision, variant,
                         tiles[(block_d, element_size)], f"{variant} variant-tile", archs))

@@ -188,26 +188,38 @@ def test_dropout_forward_and_backward_use_one_mask(lq, lk, d, causal, mask):
                              dropout_keep=keep, grad_out=grad_out, atol=2e-5)
 
 
-VARIANT_TILE_CASES = [(variant, block_d)
-                      for (_, variant, _), tiles in kernels.VARIANT_TILES.items()
-                      for block_d, element_size in tiles if element_size == 2]
+# Each variant with a tile of its own (kernels.attention.VARIANT_TILES), with bool and float
+# masks (a variant's tile stands for both), at the head dims it has one for.
+VARIANT_TILE_CASES = list(dict.fromkeys(
+    (kind + variant, block_d) for (_, variant, _), tiles in kernels.VARIANT_TILES.items()
+    for kind in ("", "float ") for block_d, element_size in tiles if element_size == 2))
+MASK_OF_VARIANT = {(kernels.BOOL_MASK, True): "key_padding",
+                   (kernels.BOOL_MASK, False): "bool_full", (kernels.FLOAT_MASK, False): "float"}
 
 
 @pytest.mark.parametrize("variant,d", VARIANT_TILE_CASES)
 def test_variant_tiles_in_16_bits(seeded, variant, d):
-    """The variants with a tile of their own on Ampere (kernels/attention.py's VARIANT_TILES;
-    the interpreter launches Ampere's tables) at their head dims in fp16, over more queries and
-    keys than one tile of either size."""
+    """The variants with a tile of their own on Ampere (the interpreter launches Ampere's
+    tables) at their head dims in fp16, over more queries and keys than one tile of either
+    size."""
     mask_kind, key_mask, causal, dropout = kernels.VARIANTS[variant]
-    assert mask_kind == kernels.BOOL_MASK and causal and dropout  # the cases built here
-    p = 0.2
     q, k, v = _inputs(97, 65, d, torch.float16)
-    attn_mask = _masks(2, 3, 97, 65)["key_padding" if key_mask else "bool_full"]
+    masks = _masks(2, 3, 97, 65)
+    if (mask_kind, key_mask) == (kernels.FLOAT_MASK, True):  # key padding as 0 / -inf
+        attn_mask = torch.zeros(masks["key_padding"].shape).masked_fill(~masks["key_padding"],
+                                                                        float("-inf"))
+    else:
+        attn_mask = masks[MASK_OF_VARIANT[mask_kind, key_mask]]
+    if attn_mask.is_floating_point():
+        attn_mask = attn_mask.to(q.dtype)  # the reference in fp16 adds it in q's dtype
+    p = 0.2 if dropout else 0.0
     grad_out = torch.randn_like(q)
-    torch.manual_seed(99)
-    keep = _dropout_keep_mask(q, k, p)
-    torch.manual_seed(99)
-    _check_against_reference(q, k, v, causal=True, attn_mask=attn_mask, dropout_p=p,
+    keep = None
+    if dropout:
+        torch.manual_seed(99)
+        keep = _dropout_keep_mask(q, k, p)
+        torch.manual_seed(99)
+    _check_against_reference(q, k, v, causal=causal, attn_mask=attn_mask, dropout_p=p,
                              dropout_keep=keep, grad_out=grad_out, atol=1e-3)
 
 

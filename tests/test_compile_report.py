@@ -122,11 +122,12 @@ def test_hopper_dkdv_at_head_dims_64_and_128_runs_on_wgmma(report, head_dim):
 @pytest.mark.slow
 def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path):
     """compile_configs() compiles each entry in its heaviest variant, and ptxas does not allocate
-    monotonically in the features (docs/benchmark-notes.md), so every variant of
-    kernels.attention.VARIANTS (the model's four and the drop-in's) is compiled too, with the
-    tile the launchers pick for it (benchmarks.attention_tiles --shipped), at head dims 16 to 128
-    in fp16 (bf16 compiled to the same registers in every case measured): no spill, under the
-    register cap, wgmma on sm_90."""
+    monotonically in the features (docs/benchmark-notes.md), so each of the 20 variants of
+    kernels.attention.VARIANTS (no mask, key padding or a mask per query, bool or float, each
+    with and without causal and dropout: the model's four and the drop-in's) is compiled too,
+    with the tile the launchers pick for it (benchmarks.attention_tiles --shipped), at head dims
+    16 to 128 in fp16 (bf16 compiled to the same registers in every case measured): no spill,
+    under the register cap, wgmma on sm_90."""
     if not os.path.exists(_cuobjdump()):
         pytest.skip("Triton's bundled NVIDIA tools (ptxas, cuobjdump) are not installed")
     path = tmp_path / "tiles.json"
@@ -134,7 +135,7 @@ def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-m", "benchmarks.attention_tiles", "--shipped",
                     "--head-dim", *head_dims, "--dtype", "fp16", "--arch", *map(str, ARCHS),
-                    "--json", str(path)],
+                    "--jobs", "2", "--json", str(path)],
                    env=env, check=True, timeout=1800, capture_output=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = json.loads(path.read_text())
