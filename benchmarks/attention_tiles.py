@@ -54,13 +54,10 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.kernel:
         for d, dtype, variant, arch in itertools.product(args.head_dim, args.dtype, args.variant,
                                                           args.arch):
-            mask, key, causal, dropout = attention.VARIANTS[variant]
             tiles = [] if args.shipped else [tuple(t) for t in args.tile] if args.tile \
                 else TILES[name]
-            variant_flags = attention._variant_of(mask, key, causal, dropout)
             shipped = attention.launch_tile(name, d, torch.float16, arch,
-                                            **dict(zip(("mask", "causal", "dropout"),
-                                                       variant_flags, strict=True)))
+                                            **attention.tile_variant(*attention.VARIANTS[variant]))
             work += [(name, d, dtype, variant, tile, arch)
                      for tile in dict.fromkeys([shipped, *tiles])]
     if args.jobs <= 1:

@@ -63,6 +63,8 @@ def batched_weight_casts(groups: Sequence[nn.Module], device_type: str) -> Itera
                      for name in ("weight", "bias")
                      if getattr(linear, name) is not None
                      and getattr(linear, name).dtype == torch.float32]
+            if not slots:
+                continue
             copies = _CastAll.apply(dtype, *(getattr(m, name) for m, name in slots))
             for (module, name), copy in zip(slots, copies, strict=True):
                 module.__dict__[name] = copy  # found before nn.Module's own _parameters lookup

@@ -186,8 +186,8 @@ def encode(model: Transformer, src: Tensor, weights: NativeWeights | None = None
     output, (B, h, S, d), and the padding mask (B, 1, 1, S). With `weights` (native_weights:
     the model is one native_decoder_supports accepts) one call of fastattn::transformer_encode,
     in their precision; else the Python modules."""
-    check_tokens("src", src, model.cfg.vocab_size)
     if weights is not None and NATIVE_ENCODE:
+        check_tokens("src", src, model.cfg.vocab_size)  # model.encode checks them otherwise
         embedding = model.embedding
         memory_k, memory_v, mask = torch.ops.fastattn.transformer_encode(
             src, embedding.weight.detach(), embedding.positions(0, src.shape[1]),

@@ -470,7 +470,8 @@ def launch_tile(kernel: str, head_dim: int, dtype: torch.dtype, arch: int, *, ma
     entry = (_block_d(head_dim), 4 if dtype == torch.float32 else 2)
     for (name, variant, archs), tiles in VARIANT_TILES.items():
         if (name == kernel and arch in archs and entry in tiles
-                and _variant_of(*VARIANTS[variant]) == (mask, causal, dropout)):
+                and tile_variant(*VARIANTS[variant]) == dict(mask=mask, causal=causal,
+                                                             dropout=dropout)):
             return tiles[entry]
     return _table_tile(kernel, entry, arch)
 
@@ -484,11 +485,11 @@ def _table_tile(kernel: str, entry: tuple[int, int], arch: int) -> tuple[int, in
     return BWD_DQ_CONFIGS[entry]
 
 
-def _variant_of(mask_kind: int, key_mask: bool, causal: bool, dropout: bool
-                ) -> tuple[str, bool, bool]:
-    """launch_tile's (mask, causal, dropout) for the kernels' feature flags."""
+def tile_variant(mask_kind: int, key_mask: bool, causal: bool, dropout: bool) -> dict:
+    """launch_tile's variant keywords (mask, causal, dropout) for the kernels' feature flags
+    (MASK_KIND, KEY_MASK, CAUSAL, DROPOUT: a VARIANTS value)."""
     mask = "none" if mask_kind == NO_MASK else "key" if key_mask else "query"
-    return mask, causal, dropout
+    return dict(mask=mask, causal=causal, dropout=dropout)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -526,6 +527,7 @@ def _kernel_signature(kernel, dtype_name: str, mask_kind: int, head_dim: int) ->
 
 
 COMPILE_ARCHS = (70, 80, 90)  # the architectures the compile report compiles for
+KERNELS = {kernel.__name__: kernel for kernel in (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq)}
 
 
 def compile_configs() -> list[dict]:
@@ -542,7 +544,7 @@ def compile_configs() -> list[dict]:
         dtype = torch.float16 if element_size == 2 else torch.float32
         for label, precision in precisions[element_size]:
             dtype_name = label.split()[0]
-            for kernel in (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq):
+            for kernel in KERNELS.values():
                 base = _table_tile(kernel.__name__, (block_d, element_size), 80)
                 by_tile: dict[tuple, list[int]] = {}
                 for arch in COMPILE_ARCHS:
@@ -558,7 +560,7 @@ def compile_configs() -> list[dict]:
             for (name, variant, archs), tiles in VARIANT_TILES.items():
                 if (block_d, element_size) in tiles and variant != HEAVIEST:
                     configs.append(_compile_config(
-                        globals()[name], block_d, label, dtype_name, precision, variant,
+                        KERNELS[name], block_d, label, dtype_name, precision, variant,
                         tiles[(block_d, element_size)], f"{variant} variant-tile", archs))
         dtype_name = _TRITON_DTYPES[dtype]
         configs.append(dict(
@@ -588,13 +590,6 @@ def _compile_config(kernel, block_d: int, label: str, dtype_name: str, precision
 # ---------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------
-
-
-def _variant(mask_flags: dict, causal: str | None, dropout_p: float) -> dict:
-    """launch_tile's variant keywords for a launch."""
-    mask, causal, dropout = _variant_of(mask_flags["MASK_KIND"], mask_flags["KEY_MASK"],
-                                        causal is not None, dropout_p > 0)
-    return dict(mask=mask, causal=causal, dropout=dropout)
 
 
 def _mask_args(attn_mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor):
@@ -644,7 +639,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
-    variant = _variant(mask_flags, causal, dropout_p)
+    variant = tile_variant(mask_flags["MASK_KIND"], mask_flags["KEY_MASK"], causal is not None,
+                           dropout_p > 0)
     block_m, block_n, num_warps, num_stages = launch_tile("_attn_fwd", d, q.dtype, _sm(q),
                                                           **variant)
     grid = (triton.cdiv(lq, block_m) * b * h,)
@@ -681,7 +677,8 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                offset)
     flags = dict(HEAD_DIM=d, BLOCK_D=_block_d(d), **mask_flags, CAUSAL=causal is not None,
                  DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype))
-    variant = _variant(mask_flags, causal, dropout_p)
+    variant = tile_variant(mask_flags["MASK_KIND"], mask_flags["KEY_MASK"], causal is not None,
+                           dropout_p > 0)
     block_m, block_n, num_warps, num_stages = launch_tile("_attn_bwd_dkdv", d, q.dtype, _sm(q),
                                                           **variant)
     _attn_bwd_dkdv[(triton.cdiv(lk, block_n) * b * h,)](
