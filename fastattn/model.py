@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -321,6 +322,30 @@ class FeedForward(nn.Module):
         return self.w2(ops.dropout(F.relu(self.w1(x)), self.dropout, self.training))
 
 
+class Stream(NamedTuple):
+    """The residual stream between sub-layers: x (float32 under autocast) and, in a post-norm
+    stack under autocast, the copy of x in autocast's dtype that the LayerNorm kernel wrote
+    beside it for the next sub-layer's matrix products (sparing their cast, its backward and
+    the add of x's two gradients: ops.layer_norm_residual's copy_dtype)."""
+
+    x: Tensor
+    copy: Tensor | None = None
+
+    @property
+    def input(self) -> Tensor:
+        """What the next matrix products read: the copy if there is one."""
+        return self.x if self.copy is None else self.copy
+
+
+def autocast_copy_dtype(x: Tensor) -> torch.dtype | None:
+    """The dtype autocast casts a float32 x to for a matrix product, or None (no autocast)."""
+    device = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return None if dtype == torch.float32 else dtype
+
+
 class AddNorm(nn.Module):
     """"Add & Norm" around a sub-layer: LayerNorm(x + Dropout(Sublayer(x))) (3.1, 5.4), in one
     fused op. With pre_norm (not the paper's): x + Dropout(Sublayer(LayerNorm(x)))."""
@@ -330,11 +355,14 @@ class AddNorm(nn.Module):
         self.pre_norm = cfg.pre_norm
         self.norm = ResidualLayerNorm(cfg.d_model, cfg.dropout)
 
-    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+    def forward(self, x: Stream, sublayer: Callable[[Tensor], Tensor]) -> Stream:
         if self.pre_norm:
-            y = sublayer(F.layer_norm(x, x.shape[-1:], self.norm.weight, self.norm.bias))
-            return x + ops.dropout(y, self.norm.dropout, self.training)
-        return self.norm(sublayer(x), x)
+            h = x.x
+            y = sublayer(F.layer_norm(h, h.shape[-1:], self.norm.weight, self.norm.bias))
+            return Stream(h + ops.dropout(y, self.norm.dropout, self.training))
+        dtype = autocast_copy_dtype(x.x)
+        out = self.norm(sublayer(x.input), x.x, copy_dtype=dtype)
+        return Stream(*out) if dtype is not None else Stream(out)
 
 
 class EncoderLayer(nn.Module):
@@ -347,7 +375,7 @@ class EncoderLayer(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.feed_forward_norm = AddNorm(cfg)
 
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, x: Stream, mask: Tensor) -> Stream:
         x = self.self_attention_norm(x, lambda h: self.self_attention(h, mask))
         return self.feed_forward_norm(x, self.feed_forward)
 
@@ -365,7 +393,7 @@ class DecoderLayer(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.feed_forward_norm = AddNorm(cfg)
 
-    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+    def forward(self, x: Stream, memory: Tensor, memory_mask: Tensor) -> Stream:
         # Causal: position i sees positions <= i only (3.2.3). Target padding sits at the end,
         # so no real position ever sees it.
         x = self.self_attention_norm(x, lambda h: self.self_attention(h, causal=True))
@@ -376,10 +404,11 @@ class DecoderLayer(nn.Module):
         """x (N, d_model), the newest position of every row -> (N, d_model)."""
         k, v = state.self_k[layer], state.self_v[layer]
         history = state.history[:, : state.length + 1]
-        x = self.self_attention_norm(x, lambda h: self.self_attention.step(h, k, v, history))
-        x = self.cross_attention_norm(x, lambda h: self.cross_attention.step(
+        s = self.self_attention_norm(Stream(x), lambda h: self.self_attention.step(h, k, v,
+                                                                                  history))
+        s = self.cross_attention_norm(s, lambda h: self.cross_attention.step(
             h, state.memory_k[layer], state.memory_v[layer], state.memory_bias, state.sentences))
-        return self.feed_forward_norm(x, self.feed_forward)
+        return self.feed_forward_norm(s, self.feed_forward).x
 
 
 class Stack(nn.Module):
@@ -390,10 +419,12 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList(layer(cfg) for _ in range(n))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else None
 
-    def forward(self, x: Tensor, *args) -> Tensor:
+    def forward(self, x: Tensor, *args) -> Stream:
+        """x (B, L, d_model) -> the last layer's output."""
+        stream = Stream(x)
         for layer in self.layers:
-            x = layer(x, *args)
-        return x if self.final_norm is None else self.final_norm(x)
+            stream = layer(stream, *args)
+        return stream if self.final_norm is None else Stream(self.final_norm(stream.x))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,23 +473,26 @@ class Transformer(nn.Module):
         """src (B, S) -> memory (B, S, d_model) and its padding mask (B, 1, 1, S)."""
         check_tokens("src", src, self.cfg.vocab_size)
         mask = self.padding_mask(src)
-        return self.encoder(self.embedding(src), mask), mask
+        # The six memory projections read the float32 memory, so that their gradients sum in
+        # float32 (its copy under autocast goes unused).
+        return self.encoder(self.embedding(src), mask).x, mask
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
-        """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model)."""
+    def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Stream:
+        """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model) as a Stream."""
         check_tokens("tgt_in", tgt_in, self.cfg.vocab_size)
         return self.decoder(self.embedding(tgt_in), memory, memory_mask)
 
-    def hidden(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model): encode, then decode,
-        with autocast's weight casts batched per layer (fastattn.autocast)."""
+    def hidden(self, src: Tensor, tgt_in: Tensor) -> Stream:
+        """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model) as a Stream (its
+        .input for the output projection): encode, then decode, with autocast's weight casts
+        batched per layer (fastattn.autocast)."""
         with batched_weight_casts([*self.encoder.layers, *self.decoder.layers],
                                   src.device.type):
             return self.decode(tgt_in, *self.encode(src))
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, cfg.output_size) for the next tokens."""
-        return F.linear(self.hidden(src, tgt_in), self.output_weight)
+        return F.linear(self.hidden(src, tgt_in).input, self.output_weight)
 
     @property
     def output_weight(self) -> Tensor:
@@ -475,7 +509,7 @@ class Transformer(nn.Module):
         (without gradient; exp of its mean is the perplexity). `tokens`: tgt_out's non-padding
         count if known, which spares a GPU a host sync (fastattn.tokens.non_padding)."""
         check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
-        hidden = self.hidden(src, tgt_in)
+        hidden = self.hidden(src, tgt_in).input
         real = non_padding(tgt_out, self.cfg.pad_id, tokens)  # padding costs no projection
         return ops.linear_cross_entropy(
             rows(hidden, real), self.output_weight, rows(tgt_out, real),
@@ -491,7 +525,7 @@ class Transformer(nn.Module):
         their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL;
         `tokens` as in loss()."""
         check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
-        hidden = self.hidden(torch.cat([src, src]), torch.cat([tgt_in, tgt_in]))
+        hidden = self.hidden(torch.cat([src, src]), torch.cat([tgt_in, tgt_in])).x
         real = non_padding(tgt_out, self.cfg.pad_id, tokens)
         h1, h2 = (rows(h, real) for h in hidden.chunk(2))
         loss, nll = linear_rdrop_loss(h1, h2, self.output_weight, rows(tgt_out, real),

@@ -355,10 +355,13 @@ class ResidualLayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(normalized_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(normalized_shape, device=device, dtype=dtype))
 
-    def forward(self, x: Tensor, residual: Tensor) -> Tensor:
-        """x, residual (..., d) -> (..., d)."""
+    def forward(self, x: Tensor, residual: Tensor, copy_dtype: torch.dtype | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
+        """x, residual (..., d) -> (..., d); with copy_dtype, also its copy in that dtype
+        (ops.layer_norm_residual's)."""
         dropout_p = self.dropout if self.training else 0.0
-        return ops.layer_norm_residual(x, residual, self.weight, self.bias, self.eps, dropout_p)
+        return ops.layer_norm_residual(x, residual, self.weight, self.bias, self.eps, dropout_p,
+                                       copy_dtype=copy_dtype)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, dropout={self.dropout}, eps={self.eps}"

@@ -56,7 +56,7 @@ DEFAULT_ARCHS = (80, 90, 70)
 # kernel of every module compiles at least once whatever its configurations are named.
 SUBSET = {
     "fastattn.kernels.attention": r"^\S+ d=(64|128) fp16\b|^_attn_fwd d=64 fp32\b",
-    "fastattn.kernels.layer_norm": r"_N(512|4096)$|_wide_",
+    "fastattn.kernels.layer_norm": r"_N(512|1024|2048|4096)$|_wide_",
     "fastattn.kernels.cross_entropy": r"_V(1024|4096)$",
 }
 

@@ -43,17 +43,18 @@ def _keep_mask(seed, row, cols, dropout_p):
 
 @triton.jit(do_not_specialize=["seed"])
 def _layer_norm_fwd_kernel(
-    X, R, W, B, Y, S, Mean, Rstd, seed,
+    X, R, W, B, Y, Y_COPY, S, Mean, Rstd, seed,
     stride_x, stride_r, stride_y, stride_s,
     N, eps, dropout_p,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr, STORE_COPY: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """One row per program.
 
     s = r + x * keep / (1 - p)
     mean = sum(s) / N,  rstd = 1 / sqrt(sum((s - mean)^2) / N + eps)
-    y = (s - mean) * rstd * w + b
+    y = (s - mean) * rstd * w + b,  y_copy = y rounded to Y_COPY's dtype (stride_y, too)
     """
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -74,7 +75,11 @@ def _layer_norm_fwd_kernel(
         y *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row.to(tl.int64) * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+    y = y.to(Y.dtype.element_ty)
+    tl.store(Y + row.to(tl.int64) * stride_y + cols, y, mask=mask)
+    if STORE_COPY:  # from y as stored, to nearest even (Triton's default), as y.to(dtype)
+        tl.store(Y_COPY + row.to(tl.int64) * stride_y + cols, y.to(Y_COPY.dtype.element_ty),
+                 mask=mask)
     tl.store(Mean + row, mean)
     tl.store(Rstd + row, rstd)
 
@@ -94,6 +99,15 @@ def _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean, rstd,
 
 
 @triton.jit
+def _load_dy(DY, DY_COPY, offsets, mask, HAS_DY_COPY: tl.constexpr):
+    """dy (+ dy_copy) at offsets, in float32: the gradient of y and of its rounded copy."""
+    g = tl.load(DY + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DY_COPY:
+        g += tl.load(DY_COPY + offsets, mask=mask, other=0.0).to(tl.float32)
+    return g
+
+
+@triton.jit
 def _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
                        stride_dx, dropout_p, HAS_DSUM: tl.constexpr,
                        STORE_DRESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
@@ -109,16 +123,17 @@ def _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, str
 
 @triton.jit(do_not_specialize=["seed"])
 def _layer_norm_bwd_kernel(
-    DY, DSUM, X, R, W, Mean, Rstd, seed, DX, DR, DW, DB,
+    DY, DY_COPY, DSUM, X, R, W, Mean, Rstd, seed, DX, DR, DW, DB,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
     M, N, rows_per_program, dropout_p,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DSUM: tl.constexpr, STORE_DRESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_DY_COPY: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """A contiguous block of rows per program, each row held in registers; the block's dW, dB
     partials accumulate in registers (fp32).
 
+    dy += dy_copy                  (the gradient of y's copy, stride_dy too, in float32)
     xhat = (s - mean) * rstd,  g = dy * w
     ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dsum     (dsum: grad of the returned sum)
     dresidual = ds,  dx = ds * keep / (1 - p)
@@ -135,7 +150,7 @@ def _layer_norm_bwd_kernel(
         xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r,
                                      tl.load(Mean + row), rstd, dropout_p,
                                      HAS_RESIDUAL, HAS_DROPOUT)
-        g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+        g = _load_dy(DY, DY_COPY, row * stride_dy + cols, mask, HAS_DY_COPY)
         if HAS_BIAS:
             db += g
         if HAS_WEIGHT:
@@ -152,12 +167,12 @@ def _layer_norm_bwd_kernel(
 
 @triton.jit(do_not_specialize=["seed"])
 def _layer_norm_bwd_wide_kernel(
-    DY, DSUM, X, R, W, Mean, Rstd, seed, DX, DR, DW, DB,
+    DY, DY_COPY, DSUM, X, R, W, Mean, Rstd, seed, DX, DR, DW, DB,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
     M, N, rows_per_program, dropout_p,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DROPOUT: tl.constexpr, HAS_DSUM: tl.constexpr, STORE_DRESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_DY_COPY: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The same math for rows wider than registers hold with their partials: BLOCK_N-column
     chunks, two passes per row. Pass 1 sums g * xhat and g, and adds dy * xhat, dy to this
@@ -180,7 +195,7 @@ def _layer_norm_bwd_wide_kernel(
             mask = cols < N
             xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean,
                                          rstd, dropout_p, HAS_RESIDUAL, HAS_DROPOUT)
-            g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            g = _load_dy(DY, DY_COPY, row * stride_dy + cols, mask, HAS_DY_COPY)
             if HAS_BIAS:  # each thread rereads what it wrote, in the same layout
                 tl.store(DB + pid * N + cols, tl.load(DB + pid * N + cols, mask=mask) + g,
                          mask=mask)
@@ -195,7 +210,7 @@ def _layer_norm_bwd_wide_kernel(
             mask = cols < N
             xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean,
                                          rstd, dropout_p, HAS_RESIDUAL, HAS_DROPOUT)
-            g = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            g = _load_dy(DY, DY_COPY, row * stride_dy + cols, mask, HAS_DY_COPY)
             if HAS_WEIGHT:
                 g *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
             ds = (g - (xhat * sum_g_xhat + sum_g) / N) * rstd
@@ -237,11 +252,13 @@ WIDE_BLOCK = 2048  # column chunk of the two-pass backward
 
 
 def _bwd_config(n: int) -> tuple:
-    """(kernel, BLOCK_N, num_warps) of the backward for rows of n features: at most 8 elements
-    per thread, which keeps the register-resident kernel within 128 registers."""
+    """(kernel, BLOCK_N, num_warps) of the backward for rows of n features: at most 4 elements
+    per thread (8 at 4096 columns, 16 warps), which keeps the register-resident kernel near 64
+    registers (8 per thread reached ptxas's 128 and spilled at 2048 columns on sm_90 once the
+    copy's gradient was read too)."""
     block_n = triton.next_power_of_2(n)
     if block_n <= BWD_MAX_BLOCK:
-        return _layer_norm_bwd_kernel, block_n, min(max(block_n // 256, 1), 16)
+        return _layer_norm_bwd_kernel, block_n, min(max(block_n // 128, 1), 16)
     return _layer_norm_bwd_wide_kernel, WIDE_BLOCK, WIDE_BLOCK // 256
 
 
@@ -260,35 +277,38 @@ def separate_dresidual(x: torch.Tensor, residual: torch.Tensor | None, dropout_p
 def layer_norm_residual_forward(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
     bias: torch.Tensor | None, seed: int, eps: float, dropout_p: float,
-    return_residual: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, sum or empty, mean, rstd) for 2-D x and residual with unit column stride."""
+    return_residual: bool, copy_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, sum or empty, y in copy_dtype or empty, mean, rstd) for 2-D x and residual with
+    unit column stride."""
     M, N = x.shape
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = torch.empty((M, N), dtype=dtype, device=x.device)
     s = torch.empty_like(y) if return_residual else y.new_empty(0)
+    y_copy = torch.empty_like(y, dtype=copy_dtype) if copy_dtype else y.new_empty(0)
     mean = torch.empty(M, dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
     block_n = triton.next_power_of_2(N)
     _layer_norm_fwd_kernel[(M,)](
-        x, residual, weight, bias, y, s, mean, rstd, seed,
+        x, residual, weight, bias, y, y_copy, s, mean, rstd, seed,
         x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
         s.stride(0) if return_residual else 0,
         N, eps, dropout_p,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0, STORE_SUM=return_residual,
-        BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        STORE_COPY=copy_dtype is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
     )
-    return y, s, mean, rstd
+    return y, s, y_copy, mean, rstd
 
 
 def layer_norm_residual_backward(
     dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
     weight: torch.Tensor | None, has_bias: bool, seed: int, mean: torch.Tensor,
-    rstd: torch.Tensor, dropout_p: float,
+    rstd: torch.Tensor, dropout_p: float, dy_copy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dresidual or empty, fp32 dweight or empty, fp32 dbias or empty) for contiguous dy
-    and dsum; dresidual is empty when it equals dx (custom ops may not return aliases)."""
+    """(dx, dresidual or empty, fp32 dweight or empty, fp32 dbias or empty) for contiguous dy,
+    dsum and dy_copy (the gradient of y's copy, added to dy's); dresidual is empty when it
+    equals dx (custom ops may not return aliases)."""
     M, N = x.shape
     dx = torch.empty_like(x)
     store_dr = separate_dresidual(x, residual, dropout_p)
@@ -298,13 +318,13 @@ def layer_norm_residual_backward(
     dw, db = partial(weight is not None), partial(has_bias)
     kernel, block_n, num_warps = _bwd_config(N)
     kernel[(programs,)](
-        dy, dsum, x, residual, weight, mean, rstd, seed, dx, dr, dw, db,
+        dy, dy_copy, dsum, x, residual, weight, mean, rstd, seed, dx, dr, dw, db,
         dy.stride(0), 0 if dsum is None else dsum.stride(0), x.stride(0),
         0 if residual is None else residual.stride(0), dx.stride(0),
         dr.stride(0) if store_dr else 0, M, N, triton.cdiv(M, programs), dropout_p,
         HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
         HAS_DROPOUT=dropout_p > 0, HAS_DSUM=dsum is not None, STORE_DRESIDUAL=store_dr,
-        BLOCK_N=block_n, num_warps=num_warps,
+        HAS_DY_COPY=dy_copy is not None, BLOCK_N=block_n, num_warps=num_warps,
     )
     if weight is None and not has_bias:
         return dx, dr, dw, db
@@ -346,13 +366,14 @@ def forward_bytes(
 def compile_configs() -> list[dict]:
     """Every (kernel, block size, warps) the launchers pick, all features on (most registers)."""
     fwd_signature = {
-        "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16", "B": "*fp32:16", "Y": "*fp16:16", "S": "*fp16:16",
+        "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16", "B": "*fp32:16", "Y": "*fp16:16",
+        "Y_COPY": "*fp16:16", "S": "*fp16:16",
         "Mean": "*fp32:16", "Rstd": "*fp32:16", "seed": "i64",
         "stride_x": "i32:16", "stride_r": "i32:16", "stride_y": "i32:16", "stride_s": "i32:16",
         "N": "i32", "eps": "fp32", "dropout_p": "fp32",
     }
     bwd_signature = {
-        "DY": "*fp16:16", "DSUM": "*fp16:16", "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16",
+        "DY": "*fp16:16", "DY_COPY": "*fp16:16", "DSUM": "*fp16:16", "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16",
         "Mean": "*fp32:16", "Rstd": "*fp32:16", "seed": "i64", "DX": "*fp16:16", "DR": "*fp16:16",
         "DW": "*fp32:16", "DB": "*fp32:16",
         "stride_dy": "i32:16", "stride_dsum": "i32:16", "stride_x": "i32:16", "stride_r": "i32:16",
@@ -360,12 +381,12 @@ def compile_configs() -> list[dict]:
         "M": "i32", "N": "i32", "rows_per_program": "i32", "dropout_p": "fp32",
     }
     flags = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DROPOUT=True)
-    bwd_flags = dict(flags, HAS_DSUM=True, STORE_DRESIDUAL=True)
+    bwd_flags = dict(flags, HAS_DSUM=True, STORE_DRESIDUAL=True, HAS_DY_COPY=True)
     launches = []
     for log2 in range(MAX_FEATURES.bit_length()):
         n = 2**log2
         launches.append(("layer_norm_fwd", _layer_norm_fwd_kernel, fwd_signature,
-                         dict(flags, STORE_SUM=True, BLOCK_N=n), _num_warps(n)))
+                         dict(flags, STORE_SUM=True, STORE_COPY=True, BLOCK_N=n), _num_warps(n)))
         if n <= BWD_MAX_BLOCK:
             kernel, block_n, num_warps = _bwd_config(n)
             launches.append(("layer_norm_bwd", kernel, bwd_signature,

@@ -1,15 +1,20 @@
-"""fastattn.autocast.batched_weight_casts: under autocast the same loss and gradients, bit for bit,
-as autocast's own per-weight casts; the parameters untouched and restored; nothing without
-autocast. (benchmarks/launches.py counts the launches it saves on the CUDA path.)"""
+"""What spares autocast's casts gives autocast's loss and gradients bit for bit:
+fastattn.autocast.batched_weight_casts (one cast per layer of its weights; the parameters
+untouched and restored; nothing without autocast) and the LayerNorm kernels' copies of their
+outputs in autocast's dtype (fastattn.model.Stream). benchmarks/launches.py counts the launches
+they save on the CUDA path."""
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 import fastattn.autocast
+import fastattn.backend
 import fastattn.model
+import fastattn.ops
 from fastattn.autocast import batched_weight_casts
 from fastattn.model import Transformer, TransformerConfig
 
@@ -25,10 +30,10 @@ def batch():
     return src, tgt[:, :-1], tgt[:, 1:]
 
 
-def loss_and_grads(model, rdrop):
+def loss_and_grads(model, rdrop, dtype=torch.bfloat16):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)  # the same dropout masks
-    with torch.autocast("cpu", torch.bfloat16):
+    with torch.autocast("cpu", dtype):
         loss = model.rdrop_loss(*batch(), 0.5, reduction="sum") if rdrop else \
             model.loss(*batch(), reduction="sum")
     (loss * 3.7).backward()  # a gradient that is not 1
@@ -54,6 +59,33 @@ def test_batched_casts_give_autocasts_loss_and_gradients_bit_for_bit(rdrop, monk
     assert batched_grads.keys() == plain_grads.keys()
     for name, grad in batched_grads.items():
         assert grad.dtype == torch.float32, name
+        assert torch.equal(grad, plain_grads[name]), name
+
+
+# Triton's interpreter rounds float32 to bfloat16 toward zero (a GPU, like y.to(), to nearest
+# even), so there the bfloat16 copies differ in the last bit: float16 checks the kernels.
+@pytest.mark.parametrize("dtype", [
+    torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+        fastattn.backend.interpreter_active(), reason="the interpreter rounds to bf16 toward "
+        "zero; the float16 case checks the kernels"))])
+@pytest.mark.parametrize("rdrop", [False, True])
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit(dtype, rdrop, pre_norm,
+                                                                           monkeypatch):
+    torch.manual_seed(0)
+    model = Transformer(replace(TINY, pre_norm=pre_norm)).train()
+    copies = []
+    layer_norm = fastattn.ops.layer_norm_residual
+    monkeypatch.setattr(fastattn.ops, "layer_norm_residual", lambda *a, copy_dtype=None, **k: (
+        copies.append(copy_dtype), layer_norm(*a, copy_dtype=copy_dtype, **k))[1])
+    copied, copied_grads = loss_and_grads(model, rdrop, dtype)
+    # Post-norm: every sub-layer's LayerNorm writes a copy (2 per encoder layer, 3 per decoder
+    # layer); pre-norm stacks have no such LayerNorm.
+    assert copies == ([] if pre_norm else [dtype] * 10)
+    monkeypatch.setattr(fastattn.model, "autocast_copy_dtype", lambda x: None)
+    plain, plain_grads = loss_and_grads(model, rdrop, dtype)
+    assert torch.equal(copied, plain)
+    for name, grad in copied_grads.items():
         assert torch.equal(grad, plain_grads[name]), name
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fastattn.model
 from benchmarks import launches
 from fastattn import decoding
 
@@ -334,9 +335,10 @@ def test_decoding_cells_run_in_quick_mode_and_render(tmp_path):
     assert "Other processes kept at most" in text
 
 
-def test_launch_counter_counts_the_cuda_path_of_one_update():
+def test_launch_counter_counts_the_cuda_path_of_one_update(monkeypatch):
     """benchmarks.launches on the tiny preset: each Triton kernel as often as the model calls
-    it, the step's one host sync, and the totals the sums of their rows."""
+    it, the step's one host sync, the totals the sums of their rows, and the launches the
+    LayerNorm kernels' bf16 copies of their outputs spare."""
     cfg = launches.PRESETS["tiny"]
     r = launches.trace("tiny", sentences=3, length=5, vocab=500)
     by_op = r["launches_by_op"]
@@ -359,3 +361,9 @@ def test_launch_counter_counts_the_cuda_path_of_one_update():
     assert r["bytes_copied_by_op"]["_foreach_copy_"] > 0
     assert r["bytes_copied"] == sum(r["bytes_copied_by_op"].values()) > 0
     assert r["host_to_device_copies"] == 3  # the batch: source, decoder input, target
+    # Without the copies each LayerNorm output a linear map reads is cast, its gradient cast
+    # back and added to the residual's: 3 launches, but for the encoder's last (the memory,
+    # read as float32) and the decoder's last (no residual after it: 2).
+    monkeypatch.setattr(fastattn.model, "autocast_copy_dtype", lambda x: None)
+    uncopied = launches.trace("tiny", sentences=3, length=5, vocab=500)["launches"]
+    assert uncopied - r["launches"] == 3 * (norms - 2) + 2

@@ -86,6 +86,14 @@ def test_attention_up_to_head_dim_128_spills_nothing_and_stays_under_the_cap(rep
 
 
 @pytest.mark.slow
+def test_layer_norm_and_cross_entropy_spill_nothing(report):
+    """Their kernels hold a row in registers: a spill would go to local memory on every row."""
+    spilled = [(r["name"], r["arch"], r["registers"], r["spill_bytes"]) for r in report
+               if r["module"] != attention.__name__ and r["spill_bytes"] > 0]
+    assert not spilled, f"configurations that spill: {spilled}"
+
+
+@pytest.mark.slow
 def test_hopper_attention_matmuls_up_to_head_dim_128_run_on_wgmma_in_16_bit(report):
     """Every forward, dK/dV and dQ kernel Hopper launches in 16 bits at head dims up to 128."""
     rows = [r for r in attention_rows(report) if r["arch"] == 90

@@ -9,6 +9,7 @@ from fastattn.ops import dropout, layer_norm_residual
 from fastattn.ops.layer_norm import _dropout_keep_mask, layer_norm_residual_reference
 
 NATIVE = implementation("layer_norm_residual", "cpu", torch.float32) == "fastattn._C"
+INTERPRETED = implementation("layer_norm_residual", "cpu", torch.float32) == "triton-interpreter"
 
 ROWS = (3, 2)  # leading dims, flattened to 6 rows: small for the interpreter
 
@@ -232,6 +233,37 @@ def test_returns_only_y_by_default_and_keeps_shape():
     assert isinstance(y, torch.Tensor) and y.shape == x.shape
 
 
+# Triton's interpreter rounds float32 to bfloat16 toward zero (a GPU, like y.to(), to nearest
+# even), so there the bfloat16 copy is not y.to(bfloat16): float16 checks the kernels.
+COPY_DTYPES = [torch.float16] if INTERPRETED else [torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("copy_dtype", COPY_DTYPES)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("n", [17, 4099])  # the one-pass and the two-pass (wide) backward
+@pytest.mark.parametrize("uses", ["both", "copy", "y and the sum"])
+def test_copy_is_y_rounded_and_its_gradient_adds_to_ys(copy_dtype, dropout_p, n, uses):
+    """(y, copy) from one kernel equal (y, y.to(copy_dtype)) bit for bit, forward and backward,
+    under autocast's mixed dtypes (a low-precision x beside a float32 residual)."""
+    (x, r, w, b), _ = _inputs(n, torch.float32)
+    g = torch.Generator().manual_seed(5)
+    gy, gc, gs = (torch.randn(*ROWS, n, generator=g) * 3 for _ in range(3))
+    results = []
+    for copy in (True, False):
+        leaves = [x.to(copy_dtype).requires_grad_(), *(t.float().requires_grad_()
+                                                       for t in (r, w, b))]
+        torch.manual_seed(7)  # the same dropout mask
+        out = layer_norm_residual(*leaves, dropout_p=dropout_p, return_residual=True,
+                                  copy_dtype=copy_dtype if copy else None)
+        (y, s, c) = out if copy else (*out, out[0].to(copy_dtype))
+        loss = {"both": (y * gy).sum() + (c.float() * gc).sum(),
+                "copy": (c.float() * gc).sum(),
+                "y and the sum": (y * gy).sum() + (s * gs).sum()}[uses]
+        results.append([y, s, c, *torch.autograd.grad(loss, leaves)])
+    for ours, plain in zip(*results, strict=True):
+        assert ours.dtype == plain.dtype and torch.equal(ours, plain)
+
+
 def test_gradient_through_the_returned_sum_only():
     x, r = torch.randn(4, 33, requires_grad=True), torch.randn(4, 33, requires_grad=True)
     _, s = layer_norm_residual(x, r, None, None, return_residual=True)
@@ -275,11 +307,12 @@ def test_custom_op_registration():
     x, r = torch.randn(5, 40, requires_grad=True), torch.randn(5, 40, requires_grad=True)
     w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
     seed = torch.tensor([123])
-    torch.library.opcheck(
-        torch.ops.fastattn.layer_norm_residual_fwd.default,
-        (x, r, w, b, seed, 1e-5, 0.25, True),
-        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
-    )
+    for copy_dtype in (None, torch.bfloat16):
+        torch.library.opcheck(
+            torch.ops.fastattn.layer_norm_residual_fwd.default,
+            (x, r, w, b, seed, 1e-5, 0.25, True, copy_dtype),
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )
 
 
 @pytest.mark.skipif(not NATIVE,

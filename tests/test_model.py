@@ -440,7 +440,7 @@ def test_tied_embedding_scaled_by_sqrt_d_model():
     expected = model.embedding.weight[ids[0]] * 16**0.5 + sinusoids(4, 16)
     torch.testing.assert_close(model.embedding(ids)[0], expected)
     logits = model(ids, ids)
-    hidden = model.decode(ids, *model.encode(ids))
+    hidden = model.decode(ids, *model.encode(ids)).x
     torch.testing.assert_close(logits, hidden @ model.embedding.weight.T)
     assert sum("embedding" in n for n, _ in model.named_parameters()) == 1
 

@@ -7,7 +7,8 @@ interpreter) or PyTorch's native kernels: one F.cross_entropy, or one log_softma
 is asked for too.
 
 linear_cross_entropy(hidden, weight, target) is cross-entropy of hidden @ weight.T + bias
-computed over row chunks of CHUNK_ELEMENTS logits, so the (N, V) logits never exist in full:
+computed over row chunks of CHUNK_ELEMENTS logits (GPU_CHUNK_ELEMENTS on a GPU), so the (N, V)
+logits never exist in full:
 each chunk's logits are overwritten with their gradient in one reused buffer (this function's
 own) and folded into dhidden, dweight (fp32) and dbias straight away: in the forward when the
 loss is reduced to a scalar, so the backward only scales by grad_output, and in a recomputing
@@ -27,7 +28,10 @@ from fastattn.kernels import cross_entropy as kernels
 
 REDUCTIONS = ("none", "sum", "mean")
 TARGET_DTYPES = (torch.int64, torch.int32)  # both work on every path, forward and backward
-CHUNK_ELEMENTS = 2**24  # logits per linear_cross_entropy chunk: 64 MB in fp32
+CHUNK_ELEMENTS = 2**24  # logits per linear_cross_entropy chunk on a CPU: 64 MB in fp32
+# On a GPU, 256 MB in bf16: each chunk is six launches (two products, the loss kernels, dW's
+# product and add), and the paper's 3,125 target tokens per GPU at 37,000 pieces fit in one.
+GPU_CHUNK_ELEMENTS = 2**27
 
 
 def _interpreted(logits: torch.Tensor) -> torch.Tensor:
@@ -297,11 +301,12 @@ def _logits_buffer(hidden: torch.Tensor, rows: int, V: int) -> torch.Tensor:
 
 def _linear_cross_entropy_chunks(hidden, weight, bias, target, smoothing, ignore_index, row_weight,
                                  impl):
-    """Per-row fp32 (loss, nll) of hidden @ weight.T + bias, CHUNK_ELEMENTS logits at a time, each
+    """Per-row fp32 (loss, nll) of hidden @ weight.T + bias, a chunk of logits at a time, each
     chunk's loss by `impl`; with row_weight (N,), also the gradients of sum_r row_weight_r loss_r
     for hidden, weight and bias (fp32 for weight and bias), else empty tensors."""
     N, V = hidden.shape[0], weight.shape[0]
-    rows = max(1, min(N, CHUNK_ELEMENTS // V))
+    chunk = CHUNK_ELEMENTS if hidden.device.type == "cpu" else GPU_CHUNK_ELEMENTS
+    rows = max(1, min(N, chunk // V))
     loss = hidden.new_empty(N, dtype=torch.float32)
     nll = torch.empty_like(loss)
     grads = row_weight is not None
@@ -461,10 +466,10 @@ def linear_cross_entropy(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """label_smoothed_cross_entropy(hidden @ weight.T + bias, target, ...) without the (N, V)
     logits ever existing in full: hidden (N, H), weight (V, H) (the tied embedding), bias (V,),
-    target (N,) int64 or int32. Runs in chunks of CHUNK_ELEMENTS logits, each with the Triton
-    loss kernels or PyTorch (per the backend) and matmuls in the autocast dtype when autocast is
-    on. Loss dtype and return_nll as label_smoothed_cross_entropy's, with hidden's dtype (after
-    autocast).
+    target (N,) int64 or int32. Runs in chunks of CHUNK_ELEMENTS logits (GPU_CHUNK_ELEMENTS on a
+    GPU), each with the Triton loss kernels or PyTorch (per the backend) and matmuls in the
+    autocast dtype when autocast is on. Loss dtype and return_nll as
+    label_smoothed_cross_entropy's, with hidden's dtype (after autocast).
     """
     _check("hidden", hidden, target, smoothing, reduction, "linear_cross_entropy")
     check_float("linear_cross_entropy", weight=weight, bias=bias)

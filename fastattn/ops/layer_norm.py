@@ -36,29 +36,33 @@ def _layer_norm_residual_fwd(
     eps: float,
     dropout_p: float,
     return_residual: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, sum or empty, mean, rstd) for 2-D x and residual with unit column stride."""
+    copy_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, sum or empty, y in copy_dtype or empty, mean, rstd) for 2-D x and residual with
+    unit column stride."""
     return kernels.layer_norm_residual_forward(x, residual, weight, bias, _seed_value(seed), eps,
-                                               dropout_p, return_residual)
+                                               dropout_p, return_residual, copy_dtype)
 
 
 @_layer_norm_residual_fwd.register_kernel("cpu")
-def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual):
+def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual, copy_dtype):
     if _impl(x, residual, weight, bias) == "triton-interpreter":  # the one override
         return kernels.layer_norm_residual_forward(x, residual, weight, bias, _seed_value(seed),
-                                                   eps, dropout_p, return_residual)
-    return torch.ops.fastattn.cpu_layer_norm_residual_fwd(
+                                                   eps, dropout_p, return_residual, copy_dtype)
+    y, s, mean, rstd = torch.ops.fastattn.cpu_layer_norm_residual_fwd(
         x, residual, weight, bias, _seed_value(seed), eps, dropout_p, return_residual,
     )
+    return y, s, y.to(copy_dtype) if copy_dtype else y.new_empty(0), mean, rstd
 
 
 @_layer_norm_residual_fwd.register_fake
-def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual):
+def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual, copy_dtype):
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = x.new_empty(x.shape, dtype=dtype)
     s = torch.empty_like(y) if return_residual else y.new_empty(0)
+    y_copy = torch.empty_like(y, dtype=copy_dtype) if copy_dtype else y.new_empty(0)
     mean = x.new_empty(x.shape[0], dtype=torch.float32)
-    return y, s, mean, torch.empty_like(mean)
+    return y, s, y_copy, mean, torch.empty_like(mean)
 
 
 
@@ -75,27 +79,33 @@ def _layer_norm_residual_bwd(
     mean: torch.Tensor,
     rstd: torch.Tensor,
     dropout_p: float,
+    dy_copy: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dresidual or empty, fp32 dweight or empty, fp32 dbias or empty); dresidual is empty
-    when it equals dx (custom ops may not return aliases)."""
+    """(dx, dresidual or empty, fp32 dweight or empty, fp32 dbias or empty); dy_copy is the
+    gradient of y's copy, added to dy's; dresidual is empty when it equals dx (custom ops may not
+    return aliases)."""
     return kernels.layer_norm_residual_backward(dy.contiguous(), _contiguous(dsum), x, residual,
                                                 weight, has_bias, _seed_value(seed), mean, rstd,
-                                                dropout_p)
+                                                dropout_p, _contiguous(dy_copy))
 
 
 @_layer_norm_residual_bwd.register_kernel("cpu")
-def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p):
+def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p, dy_copy):
     dy, dsum = dy.contiguous(), _contiguous(dsum)
     if _impl(x, residual, weight) == "triton-interpreter":
         return kernels.layer_norm_residual_backward(dy, dsum, x, residual, weight, has_bias,
-                                                    _seed_value(seed), mean, rstd, dropout_p)
+                                                    _seed_value(seed), mean, rstd, dropout_p,
+                                                    _contiguous(dy_copy))
+    y_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    # What autograd would do for y's two uses: cast the copy's gradient back, add the two.
+    dy = dy.to(y_dtype) if dy_copy is None else dy + dy_copy
     return torch.ops.fastattn.cpu_layer_norm_residual_bwd(
         dy, dsum, x, residual, weight, has_bias, _seed_value(seed), mean, rstd, dropout_p,
     )
 
 
 @_layer_norm_residual_bwd.register_fake
-def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p):
+def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p, dy_copy):
     N = x.shape[1]
     separate = separate_dresidual(x, residual, dropout_p)
     dr = torch.empty_like(residual) if separate else x.new_empty(0)
@@ -105,21 +115,23 @@ def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p):
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, seed, eps, dropout_p, return_residual = inputs
-    _, _, mean, rstd = output
+    x, residual, weight, bias, seed, eps, dropout_p, return_residual, _ = inputs
+    _, _, _, mean, rstd = output
     ctx.save_for_backward(x, residual, weight, seed, mean, rstd)
     ctx.bias_dtype = None if bias is None else bias.dtype
     ctx.dropout_p = dropout_p
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, dsum, _dmean, _drstd):
+def _backward(ctx, dy, dsum, dy_copy, _dmean, _drstd):
     x, residual, weight, seed, mean, rstd = ctx.saved_tensors
-    if dy is None:  # only the returned sum was used downstream
+    if dy is None and dy_copy is not None:  # only y's copy was used: its gradient is dy's
+        dy, dy_copy = dy_copy, None
+    elif dy is None:  # only the returned sum was used downstream
         dy = torch.zeros_like(x, dtype=dsum.dtype if dsum is not None else x.dtype)
     has_bias = ctx.bias_dtype is not None
     dx, dr, dw, db = _layer_norm_residual_bwd(
-        dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, ctx.dropout_p
+        dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, ctx.dropout_p, dy_copy
     )
     if residual is None:
         dr = None
@@ -128,7 +140,7 @@ def _backward(ctx, dy, dsum, _dmean, _drstd):
     return (
         dx, dr, dw.to(weight.dtype) if weight is not None else None,
         db.to(ctx.bias_dtype) if has_bias else None,
-        None, None, None, None,
+        None, None, None, None, None,
     )
 
 
@@ -230,14 +242,19 @@ def layer_norm_residual(
     eps: float = 1e-5,
     dropout_p: float = 0.0,
     return_residual: bool = False,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    copy_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """LayerNorm(residual + dropout(x)) over the last dimension, with optional affine parameters.
 
     x and residual (or None) share a shape (..., N); weight and bias are (N,) or None; all are
     float16, bfloat16, float32 or float64 (other dtypes raise TypeError naming them). Dropout is
     applied to x with probability `dropout_p`: pass 0.0 outside training. With
     `return_residual=True` returns (y, residual + dropout(x)), the stream a pre-norm stack
-    carries on. The output dtype is the promotion of x's and residual's dtypes. The Triton
+    carries on. With `copy_dtype` (autocast's dtype, say) also returns y rounded to it, written
+    by the same kernel, as (y, copy) or (y, sum, copy): the input of the next matrix products,
+    which spares their cast, its backward and the add of y's two gradients (the backward adds
+    them in float32, as autograd would). The output dtype is the promotion of x's and
+    residual's dtypes. The Triton
     kernel handles N <= MAX_FEATURES; wider rows raise ValueError there. On CPU, float32 runs
     fastattn._C's one-pass kernel (no row limit), as does a bfloat16 x beside a float32 residual
     (read as it is: post-norm under autocast), other bfloat16 and float16 inputs run it on
@@ -263,23 +280,34 @@ def layer_norm_residual(
             x.float(), _float(residual), _float(weight), _float(bias), eps, dropout_p,
             return_residual,
         )
-        return tuple(t.to(dtype) for t in out) if return_residual else out.to(dtype)
+        y, s = out if return_residual else (out, None)
+        return _outputs(y.to(dtype), s if s is None else s.to(dtype), copy_dtype)
     if x.numel() == 0 or impl == "torch":
         h = dropout(x, dropout_p)
         y, s = layer_norm_residual_reference(h, residual, weight, bias, eps)
-        return (y, s) if return_residual else y
+        return _outputs(y, s if return_residual else None, copy_dtype)
     if impl.startswith("triton") and N > MAX_FEATURES:
         raise ValueError(
             f"layer_norm_residual's Triton kernel supports at most {MAX_FEATURES} features per "
             f"row, got {N}"
         )
     seed = _draw_seed() if dropout_p > 0 else None
-    y, s, _, _ = _layer_norm_residual_fwd(
+    y, s, y_copy, _, _ = _layer_norm_residual_fwd(
         _rows(x), _rows(residual), _contiguous(weight), _contiguous(bias), seed, eps, dropout_p,
-        return_residual,
+        return_residual, copy_dtype,
     )
-    y = y.view(x.shape)
-    return (y, s.view(x.shape)) if return_residual else y
+    return _outputs(y.view(x.shape), s.view(x.shape) if return_residual else None,
+                    copy_dtype, y_copy.view(x.shape) if copy_dtype else None)
+
+
+def _outputs(y: torch.Tensor, s: torch.Tensor | None, copy_dtype: torch.dtype | None,
+             y_copy: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """layer_norm_residual's return value: y, then the sum if asked for, then y's copy if asked
+    for (y.to(copy_dtype) unless the kernel wrote it)."""
+    if copy_dtype is not None and y_copy is None:
+        y_copy = y.to(copy_dtype)
+    out = (y,) + ((s,) if s is not None else ()) + ((y_copy,) if copy_dtype else ())
+    return out if len(out) > 1 else y
 
 
 def _dropout_keep_mask(x: torch.Tensor, dropout_p: float) -> torch.Tensor:

@@ -1,0 +1,69 @@
+"""CPU step time of bf16 mixed-precision training with and without what spares autocast's casts
+on GPUs: fastattn.autocast.batched_weight_casts (one cast per layer of its weights) and the
+LayerNorm kernels' bf16 copies of their outputs (fastattn.model.Stream). One bench_train step
+(forward, fused loss, backward, fused Adam) of a preset at the paper's batch per GPU, the
+variants taking turns in one process.
+
+    .venv/bin/python -m scripts.measure_cast_savings [--preset multi30k] [--rounds 15]
+
+Prints each variant's median seconds per step and its ratio to fastattn's (> 1: fastattn's is
+faster). Each cast is a kernel launch on a GPU (benchmarks/launches.py counts them); this checks
+that sparing them costs the CPU path nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+import fastattn.model
+from benchmarks import bench_train
+
+SHIPPED = {"batched_weight_casts": fastattn.model.batched_weight_casts,
+           "autocast_copy_dtype": fastattn.model.autocast_copy_dtype}
+VARIANTS = {
+    "fastattn": {},
+    "autocast's weight casts": {"batched_weight_casts": lambda *a: contextlib.nullcontext()},
+    "no LayerNorm copies": {"autocast_copy_dtype": lambda x: None},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="multi30k", choices=sorted(bench_train.CONFIGS))
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    cfg = bench_train.CONFIGS[args.preset]
+    sentences, src_len, tgt_len = bench_train.BATCH
+    generator = torch.Generator().manual_seed(0)
+    src, tgt = (torch.randint(1, vocab, (sentences, n), generator=generator)
+                for vocab, n in ((cfg.vocab_size, src_len), (cfg.output_size, tgt_len + 1)))
+    torch.manual_seed(0)
+    model = fastattn.model.Transformer(cfg).train()
+    step = bench_train.training_step(model, (src, tgt[:, :-1], tgt[:, 1:]), "mixed")
+    times: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    for _ in range(2):  # warm-up
+        step()
+    try:
+        for _ in range(args.rounds):
+            for name, replaced in VARIANTS.items():
+                for attribute, shipped in SHIPPED.items():
+                    setattr(fastattn.model, attribute, replaced.get(attribute, shipped))
+                started = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - started)
+    finally:
+        for attribute, shipped in SHIPPED.items():
+            setattr(fastattn.model, attribute, shipped)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    for name, median in medians.items():
+        print(f"{args.preset} {name}: {median:.4f} s per step (median of {args.rounds}), "
+              f"{median / medians['fastattn']:.3f}x fastattn's")
+
+
+if __name__ == "__main__":
+    main()
