@@ -324,9 +324,9 @@ class FeedForward(nn.Module):
 
 class Stream(NamedTuple):
     """The residual stream between sub-layers: x (float32 under autocast) and, in a post-norm
-    stack under autocast, the copy of x in autocast's dtype that the LayerNorm kernel wrote
-    beside it for the next sub-layer's matrix products (sparing their cast, its backward and
-    the add of x's two gradients: ops.layer_norm_residual's copy_dtype)."""
+    stack under autocast on a GPU, the copy of x in autocast's dtype that the LayerNorm kernel
+    wrote beside it for the next sub-layer's matrix products (sparing their cast, its backward
+    and the add of x's two gradients: three launches; ops.layer_norm_residual's copy_dtype)."""
 
     x: Tensor
     copy: Tensor | None = None
@@ -337,10 +337,17 @@ class Stream(NamedTuple):
         return self.x if self.copy is None else self.copy
 
 
+# Where a post-norm LayerNorm does not write the copy: on a CPU a cast is no kernel launch, and
+# the copies measured no faster there (python -m scripts.measure_cast_savings).
+NO_COPY_DEVICES = ("cpu",)
+
+
 def autocast_copy_dtype(x: Tensor) -> torch.dtype | None:
-    """The dtype autocast casts a float32 x to for a matrix product, or None (no autocast)."""
+    """The dtype of the LayerNorm's copy of its output x: the one autocast would cast float32 x
+    to for a matrix product, on a device outside NO_COPY_DEVICES; else None."""
     device = x.device.type
-    if x.dtype != torch.float32 or not torch.is_autocast_enabled(device):
+    if (device in NO_COPY_DEVICES or x.dtype != torch.float32
+            or not torch.is_autocast_enabled(device)):
         return None
     dtype = torch.get_autocast_dtype(device)
     return None if dtype == torch.float32 else dtype

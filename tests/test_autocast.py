@@ -74,6 +74,7 @@ def test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit(dtype, 
                                                                            monkeypatch):
     torch.manual_seed(0)
     model = Transformer(replace(TINY, pre_norm=pre_norm)).train()
+    monkeypatch.setattr(fastattn.model, "NO_COPY_DEVICES", ())  # a GPU's path, on the CPU
     copies = []
     layer_norm = fastattn.ops.layer_norm_residual
     monkeypatch.setattr(fastattn.ops, "layer_norm_residual", lambda *a, copy_dtype=None, **k: (
@@ -87,6 +88,12 @@ def test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit(dtype, 
     assert torch.equal(copied, plain)
     for name, grad in copied_grads.items():
         assert torch.equal(grad, plain_grads[name]), name
+
+
+def test_no_layer_norm_copies_on_a_cpu():
+    x = torch.randn(2, 3)
+    with torch.autocast("cpu", torch.bfloat16):
+        assert fastattn.model.autocast_copy_dtype(x) is None
 
 
 def test_copies_shadow_the_parameters_only_inside_the_block():
