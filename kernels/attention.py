@@ -201,20 +201,21 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
 
 
 @triton.jit
-def _attn_bwd_delta(Out, dOut, Delta, H, Lq, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-    """Delta_i = sum_d dO_id * O_id = sum_j P_ij dP_ij (with dropout too), the row term of the
-    softmax gradient dS = P * (dP - Delta), for BLOCK_M query rows of one (batch, head)."""
-    pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    ptrs = _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM) + offs_d[None, :]
-    mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(Out + ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(dOut + ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Delta + bh.to(tl.int64) * Lq + offs_m, tl.sum(o * do, 1), mask=offs_m < Lq)
+def _row_dot(A, B, rows, row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """sum_d A[rows, d] * B[rows, d] in float32 for the (B, L, H, D) offsets `rows` (a column),
+    CHUNK columns at a time, which keeps the dQ kernel's registers where they were without it
+    (compile report; docs/benchmark-notes.md): 32 in 16 bits; in float32 the whole row at 128
+    columns, else 16."""
+    CHUNK: tl.constexpr = min(BLOCK_D, 32) if A.dtype.element_ty.primitive_bitwidth == 16 \
+        else (BLOCK_D if BLOCK_D == 128 else 16)
+    total = tl.zeros([rows.shape[0]], dtype=tl.float32)
+    for start in tl.static_range(0, BLOCK_D, CHUNK):
+        cols = start + tl.arange(0, CHUNK)
+        mask = row_ok[:, None] & (cols[None, :] < HEAD_DIM)
+        a = tl.load(A + rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        total += tl.sum(a * tl.load(B + rows + cols[None, :], mask=mask, other=0.0).to(
+            tl.float32), 1)
+    return total
 
 
 @triton.jit
@@ -294,7 +295,7 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
 
 
 @triton.jit
-def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
+def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
                  H, Lq, Lk, causal_shift, qk_scale, sm_scale, dropout_p, philox_seed,
@@ -302,8 +303,10 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                  KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
-    """One program owns BLOCK_M queries of one (batch, head) and loops over the key tiles they
-    may see (causal stops at the diagonal):
+    """One program owns BLOCK_M queries of one (batch, head): it computes their Delta (and stores
+    it for the dK/dV pass, launched after this one), then loops over the key tiles they may see
+    (causal stops at the diagonal):
+        Delta = rowsum(dO * O) = rowsum(P * dP) (with dropout too),
         P = 2^(S - lse * log2 e),  dP = (dO V^T) * Z,  dS = P * (dP - Delta),  dQ = scale * dS K."""
     pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
@@ -315,10 +318,12 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
     q_mask = (offs_m[:, None] < Lq) & (offs_d[None, :] < HEAD_DIM)
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None].to(tl.int64) * stride_qm
                 + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(dOut + _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM) + offs_d[None, :],
-                 mask=q_mask, other=0.0)
+    head_rows = _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM) + offs_d[None, :]
+    do = tl.load(dOut + head_rows, mask=q_mask, other=0.0)
     lse = tl.load(Lse + row0 + offs_m, mask=offs_m < Lq, other=float("inf")) * 1.4426950408889634
-    delta = tl.load(Delta + row0 + offs_m, mask=offs_m < Lq, other=0.0)
+    delta = _row_dot(Out, dOut, _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM),
+                     offs_m < Lq, HEAD_DIM, BLOCK_D)
+    tl.store(Delta + row0 + offs_m, delta, mask=offs_m < Lq)
     k_base = K + b * stride_kb + h * stride_kh
     v_base = V + b * stride_vb + h * stride_vh
     mask_ptr = Mask + b * stride_mb + h * stride_mh
@@ -346,8 +351,7 @@ def _attn_bwd_dq(Q, K, V, Mask, dOut, Lse, Delta, dQ,
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
-    tl.store(dQ + _heads_last(b, h, offs_m[:, None], Lq, H, HEAD_DIM) + offs_d[None, :],
-             (dq * sm_scale).to(dQ.dtype.element_ty), mask=q_mask)
+    tl.store(dQ + head_rows, (dq * sm_scale).to(dQ.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -440,7 +444,6 @@ VARIANT_TILES = {
     # it to 128 registers); 128 x 16 takes 121, no spill.
     ("_attn_fwd", "key padding+causal+dropout", (70, 80)): {(16, 2): (128, 16, 8, 3)},
 }
-DELTA_TILE = 8192  # elements of O and dO per program of the Delta pass: 64 per thread
 
 
 def _block_d(head_dim: int) -> int:
@@ -499,9 +502,6 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-_TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
 def _kernel_signature(kernel, dtype_name: str, mask_kind: int, head_dim: int) -> dict[str, str]:
     """The ASTSource signature of an attention kernel, for the compile report, with the ":16"
     divisibility hints Triton's launcher would find: torch allocations are 16-byte aligned, and
@@ -534,7 +534,7 @@ def compile_configs() -> list[dict]:
     """Every configuration the launchers can pick, for fastattn.kernels.compile_report: each
     table entry (padded head dim x element size; bf16 shares fp16's tiles, and head dims such as
     40, 80, 96 their padded entry's; fp32 both exact and with tf32 allowed) for the forward, both
-    backward passes and the Delta pass, each kernel in its heaviest variant (the one the tables
+    backward passes, each kernel in its heaviest variant (the one the tables
     were sized for, not always the one with the most registers: docs/benchmark-notes.md), and
     each VARIANT_TILES tile in its own variant. A tile only some architectures launch names them
     in "archs" (and, unless it is the entry's own, its name says "smNN-tile" or "variant-tile")."""
@@ -562,12 +562,6 @@ def compile_configs() -> list[dict]:
                     configs.append(_compile_config(
                         KERNELS[name], block_d, label, dtype_name, precision, variant,
                         tiles[(block_d, element_size)], f"{variant} variant-tile", archs))
-        dtype_name = _TRITON_DTYPES[dtype]
-        configs.append(dict(
-            name=f"_attn_bwd_delta d={block_d} {dtype_name}", fn=_attn_bwd_delta,
-            signature=_kernel_signature(_attn_bwd_delta, dtype_name, NO_MASK, block_d),
-            constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=DELTA_TILE // block_d),
-            num_warps=4, num_stages=1))
     return configs
 
 
@@ -663,11 +657,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     grad_out = heads_last(grad_out)
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    delta = torch.empty_like(lse)
-    delta_rows = DELTA_TILE // _block_d(d)
-    _attn_bwd_delta[(triton.cdiv(lq, delta_rows) * b * h,)](
-        heads_last(out), grad_out, delta, h, lq, HEAD_DIM=d, BLOCK_D=_block_d(d),
-        BLOCK_M=delta_rows)
+    delta = torch.empty_like(lse)  # the dQ pass writes it, the dK/dV pass reads it
     dq, dk, dv = heads_last_empty(q), heads_last_empty(k), heads_last_empty(v)
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
@@ -679,15 +669,15 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                  DROPOUT=dropout_p > 0, DOT_PRECISION=_dot_precision(q.dtype))
     variant = tile_variant(mask_flags["MASK_KIND"], mask_flags["KEY_MASK"], causal is not None,
                            dropout_p > 0)
+    block_m, block_n, num_warps, num_stages = launch_tile("_attn_bwd_dq", d, q.dtype, _sm(q),
+                                                          **variant)
+    _attn_bwd_dq[(triton.cdiv(lq, block_m) * b * h,)](
+        q, k, v, mask, heads_last(out), grad_out, lse, delta, dq, *strides, *scalars,
+        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
     block_m, block_n, num_warps, num_stages = launch_tile("_attn_bwd_dkdv", d, q.dtype, _sm(q),
                                                           **variant)
     _attn_bwd_dkdv[(triton.cdiv(lk, block_n) * b * h,)](
         q, k, v, mask, grad_out, lse, delta, dk, dv, *strides, *scalars, BLOCK_M=block_m,
-        BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
-    block_m, block_n, num_warps, num_stages = launch_tile("_attn_bwd_dq", d, q.dtype, _sm(q),
-                                                          **variant)
-    _attn_bwd_dq[(triton.cdiv(lq, block_m) * b * h,)](
-        q, k, v, mask, grad_out, lse, delta, dq, *strides, *scalars, BLOCK_M=block_m,
         BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
     return dq, dk, dv
 

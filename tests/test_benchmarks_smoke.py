@@ -343,7 +343,7 @@ def test_launch_counter_counts_the_cuda_path_of_one_update(monkeypatch):
     r = launches.trace("tiny", sentences=3, length=5, vocab=500)
     by_op = r["launches_by_op"]
     attention_calls = cfg.encoder_layers + 2 * cfg.decoder_layers  # self, causal self, cross
-    for kernel in ("_attn_fwd", "_attn_bwd_delta", "_attn_bwd_dkdv", "_attn_bwd_dq"):
+    for kernel in ("_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv"):
         assert by_op[f"triton {kernel}"] == attention_calls
     norms = 2 * cfg.encoder_layers + 3 * cfg.decoder_layers
     assert by_op["triton _layer_norm_fwd_kernel"] == by_op["triton _layer_norm_bwd_kernel"] == norms
