@@ -196,7 +196,7 @@ def encode(model: Transformer, src: Tensor, weights: NativeWeights | None = None
             model.encoder.layers[0].feed_forward_norm.norm.eps)
         return memory_k, memory_v, mask
     memory, mask = model.encode(src)
-    pairs = [layer.cross_attention.memory_kv(memory) for layer in model.decoder.layers]
+    pairs = model.memory_kv(memory)
     return [k for k, _ in pairs], [v for _, v in pairs], mask
 
 

@@ -11,7 +11,7 @@ first (fastattn.tokens checks them). Section numbers refer to the paper.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -275,21 +275,29 @@ class CrossAttention(nn.Module):
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """memory (B, S, d_model) -> keys (B, h, S, d_k) and values (B, h, S, d_v), views into
         one projection."""
-        k, v = self.kv(memory).split(self.split, dim=-1)
+        return self.split_kv(self.kv(memory))
+
+    def split_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """The kv projection's output (B, S, h·(d_k + d_v)) -> keys and values, as views."""
+        k, v = kv.split(self.split, dim=-1)
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
-    def forward(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
-        """x (B, T, d_model), memory (B, S, d_model), mask (B, 1, 1, S) -> (B, T, d_model)."""
-        k, v = self.memory_kv(memory)
+    def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], memory_mask: Tensor | None
+                ) -> Tensor:
+        """x (B, T, d_model), memory_kv the memory's keys and values (Transformer.memory_kv), mask
+        (B, 1, 1, S) -> (B, T, d_model)."""
+        k, v = memory_kv
         dropout_p = self.dropout if self.training else 0.0
         q = split_heads(self.q(x), self.heads)
         return self.out(merge_heads(attention(q, k, v, attn_mask=memory_mask,
                                               dropout_p=dropout_p)))
 
-    def weights(self, x: Tensor, memory: Tensor, memory_mask: Tensor | None) -> Tensor:
-        """softmax(Q K^T / √d_k) of forward(x, memory, memory_mask) explicitly: (B, h, T, S)."""
-        k, _ = self.memory_kv(memory)
-        return attention_probabilities(split_heads(self.q(x), self.heads), k, memory_mask)
+    def weights(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], memory_mask: Tensor | None
+                ) -> Tensor:
+        """softmax(Q K^T / √d_k) of forward(x, memory_kv, memory_mask) explicitly:
+        (B, h, T, S)."""
+        return attention_probabilities(split_heads(self.q(x), self.heads), memory_kv[0],
+                                       memory_mask)
 
     def step(self, x: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sentences: Tensor | None,
              ) -> Tensor:
@@ -337,16 +345,18 @@ class Stream(NamedTuple):
         return self.x if self.copy is None else self.copy
 
 
-# Where a post-norm LayerNorm does not write the copy: on a CPU a cast is no kernel launch, and
-# the copies measured no faster there (python -m scripts.measure_cast_savings).
-NO_COPY_DEVICES = ("cpu",)
+# Devices that run the model op by op, without the forms that spare GPU launches (LayerNorm's
+# copy of its output, one product for every decoder layer's memory keys and values): on a CPU a
+# launch costs nothing, the copies measured no faster (python -m scripts.measure_cast_savings),
+# and the per-layer products keep the recorded runs' numbers (tests/test_recorded_run.py).
+PER_OP_DEVICES = ("cpu",)
 
 
 def autocast_copy_dtype(x: Tensor) -> torch.dtype | None:
     """The dtype of the LayerNorm's copy of its output x: the one autocast would cast float32 x
-    to for a matrix product, on a device outside NO_COPY_DEVICES; else None."""
+    to for a matrix product, on a device outside PER_OP_DEVICES; else None."""
     device = x.device.type
-    if (device in NO_COPY_DEVICES or x.dtype != torch.float32
+    if (device in PER_OP_DEVICES or x.dtype != torch.float32
             or not torch.is_autocast_enabled(device)):
         return None
     dtype = torch.get_autocast_dtype(device)
@@ -400,11 +410,13 @@ class DecoderLayer(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.feed_forward_norm = AddNorm(cfg)
 
-    def forward(self, x: Stream, memory: Tensor, memory_mask: Tensor) -> Stream:
+    def forward(self, x: Stream, memory_kv: tuple[Tensor, Tensor], memory_mask: Tensor
+                ) -> Stream:
         # Causal: position i sees positions <= i only (3.2.3). Target padding sits at the end,
         # so no real position ever sees it.
         x = self.self_attention_norm(x, lambda h: self.self_attention(h, causal=True))
-        x = self.cross_attention_norm(x, lambda h: self.cross_attention(h, memory, memory_mask))
+        x = self.cross_attention_norm(x, lambda h: self.cross_attention(h, memory_kv,
+                                                                        memory_mask))
         return self.feed_forward_norm(x, self.feed_forward)
 
     def step(self, x: Tensor, state: DecodingState, layer: int) -> Tensor:
@@ -426,11 +438,12 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList(layer(cfg) for _ in range(n))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else None
 
-    def forward(self, x: Tensor, *args) -> Stream:
-        """x (B, L, d_model) -> the last layer's output."""
+    def forward(self, x: Tensor, *args, per_layer: Sequence = ()) -> Stream:
+        """x (B, L, d_model) -> the last layer's output; layer i is called with per_layer[i]
+        (if given), then args."""
         stream = Stream(x)
-        for layer in self.layers:
-            stream = layer(stream, *args)
+        for i, layer in enumerate(self.layers):
+            stream = layer(stream, *((per_layer[i],) if per_layer else ()), *args)
         return stream if self.final_norm is None else Stream(self.final_norm(stream.x))
 
 
@@ -487,7 +500,19 @@ class Transformer(nn.Module):
     def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Stream:
         """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model) as a Stream."""
         check_tokens("tgt_in", tgt_in, self.cfg.vocab_size)
-        return self.decoder(self.embedding(tgt_in), memory, memory_mask)
+        return self.decoder(self.embedding(tgt_in), memory_mask, per_layer=self.memory_kv(memory))
+
+    def memory_kv(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Every decoder layer's cross-attention keys and values of memory (B, S, d_model): one
+        product with the layers' kv weights side by side, whose backward sums the memory's
+        gradient inside the product (on PER_OP_DEVICES one product per layer, as before)."""
+        attentions = [layer.cross_attention for layer in self.decoder.layers]
+        if memory.device.type in PER_OP_DEVICES or len(attentions) < 2:
+            return [a.memory_kv(memory) for a in attentions]
+        weights = torch.cat([a.kv.weight for a in attentions])
+        biases = torch.cat([a.kv.bias for a in attentions])
+        kv = F.linear(memory, weights, biases).split([a.kv.out_features for a in attentions], -1)
+        return [a.split_kv(part) for a, part in zip(attentions, kv, strict=True)]
 
     def hidden(self, src: Tensor, tgt_in: Tensor) -> Stream:
         """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model) as a Stream (its

@@ -1,7 +1,7 @@
 """CPU step time of bf16 mixed-precision training with and without what spares autocast's casts
 on GPUs: fastattn.autocast.batched_weight_casts (one cast per layer of its weights), which the
 CPU runs too, and the LayerNorm kernels' bf16 copies of their outputs (fastattn.model.Stream),
-which it does not (fastattn.model.NO_COPY_DEVICES), forced on here. One bench_train step
+which it does not (fastattn.model.PER_OP_DEVICES), forced on here. One bench_train step
 (forward, fused loss, backward, fused Adam) of a preset at the paper's batch per GPU, the
 variants taking turns in one process (in a rotating order).
 
@@ -25,11 +25,11 @@ import fastattn.model
 from benchmarks import bench_train
 
 SHIPPED = {"batched_weight_casts": fastattn.model.batched_weight_casts,
-           "NO_COPY_DEVICES": fastattn.model.NO_COPY_DEVICES}
+           "PER_OP_DEVICES": fastattn.model.PER_OP_DEVICES}
 VARIANTS = {
     "fastattn": {},
     "autocast's weight casts": {"batched_weight_casts": lambda *a: contextlib.nullcontext()},
-    "LayerNorm copies": {"NO_COPY_DEVICES": ()},
+    "LayerNorm copies": {"PER_OP_DEVICES": ()},
 }
 
 

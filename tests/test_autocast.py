@@ -74,7 +74,7 @@ def test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit(dtype, 
                                                                            monkeypatch):
     torch.manual_seed(0)
     model = Transformer(replace(TINY, pre_norm=pre_norm)).train()
-    monkeypatch.setattr(fastattn.model, "NO_COPY_DEVICES", ())  # a GPU's path, on the CPU
+    monkeypatch.setattr(fastattn.model, "PER_OP_DEVICES", ())  # a GPU's path, on the CPU
     copies = []
     layer_norm = fastattn.ops.layer_norm_residual
     monkeypatch.setattr(fastattn.ops, "layer_norm_residual", lambda *a, copy_dtype=None, **k: (

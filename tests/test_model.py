@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import fastattn.decoding
+import fastattn.model
 from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
 
 V, PAD = 23, 0
@@ -567,3 +568,28 @@ def test_token_ids_outside_the_vocabulary_name_the_id_its_place_and_the_size():
                                          "vocabulary of 23"):
         model.decode_step(torch.tensor([1, 23]), state)
     model.decode_step(torch.tensor([1, 22]), state)  # the last id is in
+
+
+@pytest.mark.parametrize("cfg", [TINY, VARIANTS["d_k_ne_d_v"], replace(TINY, decoder_layers=3)])
+def test_one_memory_product_equals_a_product_per_layer(cfg, monkeypatch):
+    """A GPU's Transformer.memory_kv, every decoder layer's kv weights side by side in one
+    product, gives the keys and values, the loss and the gradients of one product per layer
+    (the CPU's), here in float64 on the CPU."""
+    model = make_model(replace(cfg, dropout=0.0)).double().train()
+    src, tgt = pad_after(tokens(3, 7), [7, 4, 2]), pad_after(tokens(3, 6, seed=2), [6, 5, 3])
+    results = []
+    for per_op in (("cpu",), ()):
+        monkeypatch.setattr(fastattn.model, "PER_OP_DEVICES", per_op)
+        model.zero_grad(set_to_none=True)
+        memory, _ = model.encode(src)
+        kv = [t for pair in model.memory_kv(memory) for t in pair]
+        loss = model.loss(src, tgt[:, :-1], tgt[:, 1:])
+        (loss * 2.5).backward()
+        results.append((kv, loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (kv, loss, grads), (kv_one, loss_one, grads_one) = results
+    assert len(kv) == 2 * cfg.decoder_layers
+    for a, b in zip(kv, kv_one, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss, loss_one, rtol=1e-12, atol=1e-12)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, grads_one[name], rtol=1e-10, atol=1e-12, msg=name)
