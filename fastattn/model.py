@@ -327,7 +327,29 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(ops.dropout(F.relu(self.w1(x)), self.dropout, self.training))
+        w, b = self.w1.weight, self.w1.bias
+        if x.device.type in PER_OP_DEVICES or not x.dtype == w.dtype == b.dtype:
+            h = F.relu(self.w1(x))
+        else:
+            h = _LinearReLU.apply(x.flatten(0, -2), w, b).view(*x.shape[:-1], -1)
+        return self.w2(ops.dropout(h, self.dropout, self.training))
+
+
+class _LinearReLU(torch.autograd.Function):
+    """relu(x W^T + b) for 2-D x as one product with the bias and the ReLU in its epilogue
+    (cuBLASLt's on a GPU: one launch, not two; PyTorch gives _addmm_activation no autograd)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        h = torch._addmm_activation(bias, x, weight.t())
+        ctx.save_for_backward(x, weight, h)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x, weight, h = ctx.saved_tensors
+        grad = torch.ops.aten.threshold_backward(grad, h, 0)  # F.relu's own backward
+        return grad @ weight, grad.t() @ x, grad.sum(0)
 
 
 class Stream(NamedTuple):
@@ -346,9 +368,10 @@ class Stream(NamedTuple):
 
 
 # Devices that run the model op by op, without the forms that spare GPU launches (LayerNorm's
-# copy of its output, one product for every decoder layer's memory keys and values): on a CPU a
-# launch costs nothing, the copies measured no faster (python -m scripts.measure_cast_savings),
-# and the per-layer products keep the recorded runs' numbers (tests/test_recorded_run.py).
+# copy of its output, one product for every decoder layer's memory keys and values, the
+# feed-forward's ReLU inside its first product): on a CPU a launch costs nothing, the copies
+# measured no faster (python -m scripts.measure_cast_savings), and the ops one by one keep the
+# recorded runs' numbers (tests/test_recorded_run.py).
 PER_OP_DEVICES = ("cpu",)
 
 

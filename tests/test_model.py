@@ -571,10 +571,11 @@ def test_token_ids_outside_the_vocabulary_name_the_id_its_place_and_the_size():
 
 
 @pytest.mark.parametrize("cfg", [TINY, VARIANTS["d_k_ne_d_v"], replace(TINY, decoder_layers=3)])
-def test_one_memory_product_equals_a_product_per_layer(cfg, monkeypatch):
-    """A GPU's Transformer.memory_kv, every decoder layer's kv weights side by side in one
-    product, gives the keys and values, the loss and the gradients of one product per layer
-    (the CPU's), here in float64 on the CPU."""
+def test_the_gpu_forms_equal_the_ops_one_by_one(cfg, monkeypatch):
+    """What a GPU runs to spare launches (fastattn.model.PER_OP_DEVICES), forced on the CPU in
+    float64: Transformer.memory_kv, every decoder layer's kv weights side by side in one
+    product, gives the keys and values of one product per layer, and with the feed-forward's
+    ReLU in its first product the loss and the gradients of the ops one by one."""
     model = make_model(replace(cfg, dropout=0.0)).double().train()
     src, tgt = pad_after(tokens(3, 7), [7, 4, 2]), pad_after(tokens(3, 6, seed=2), [6, 5, 3])
     results = []
