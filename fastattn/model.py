@@ -234,23 +234,27 @@ class SelfAttention(nn.Module):
         self.split = (cfg.heads * cfg.key_dim, cfg.heads * cfg.key_dim, cfg.heads * cfg.value_dim)
         self.qkv = nn.Linear(cfg.d_model, sum(self.split))
         self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
+        self.fold_bias = not cfg.pre_norm
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-        """x (B, L, d_model), mask (B, 1, 1, L) bool True = attend -> (B, L, d_model)."""
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
+        """x (B, L, d_model), mask (B, 1, 1, L) bool True = attend -> (B, L, d_model) and the
+        output bias left to the LayerNorm (output_projection)."""
         q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
         dropout_p = self.dropout if self.training else 0.0
-        return self.out(merge_heads(attention(q, k, v, attn_mask=mask, causal=causal,
-                                              dropout_p=dropout_p)))
+        return output_projection(self.out, merge_heads(attention(
+            q, k, v, attn_mask=mask, causal=causal, dropout_p=dropout_p)), self.fold_bias)
 
     def weights(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """softmax(Q K^T / √d_k) of forward(x, mask, causal) explicitly: (B, h, L, L)."""
         q, k, _ = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
         return attention_probabilities(q, k, mask, causal)
 
-    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, history: Tensor) -> Tensor:
+    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, history: Tensor
+             ) -> tuple[Tensor, Tensor | None]:
         """One decoding step: x (N, d_model) at position t = history.shape[1] - 1; stores its
         key and value in cache row n (caches (rows, h, capacity, d)) at t and attends to row n's
-        positions j <= t, held by cache rows history[n, j] -> (N, d_model)."""
+        positions j <= t, held by cache rows history[n, j] -> (N, d_model), as forward()."""
         q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(self.split, dim=-1)
         n, t = x.shape[0], history.shape[1] - 1
         cache_k[:n, :, t] = k.view(n, self.heads, -1)
@@ -258,7 +262,7 @@ class SelfAttention(nn.Module):
         q = q.view(n, self.heads, 1, -1)
         out = decoding.step_attention(q, decoding.gather_prefixes(cache_k, history),
                                       decoding.gather_prefixes(cache_v, history))
-        return F.linear(out.view(n, -1), self.out.weight, self.out.bias)
+        return output_projection(self.out, out.view(n, -1), self.fold_bias)
 
 
 class CrossAttention(nn.Module):
@@ -271,6 +275,7 @@ class CrossAttention(nn.Module):
         self.q = nn.Linear(cfg.d_model, cfg.heads * cfg.key_dim)
         self.kv = nn.Linear(cfg.d_model, sum(self.split))
         self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
+        self.fold_bias = not cfg.pre_norm
 
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """memory (B, S, d_model) -> keys (B, h, S, d_k) and values (B, h, S, d_v), views into
@@ -283,14 +288,14 @@ class CrossAttention(nn.Module):
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
     def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], memory_mask: Tensor | None
-                ) -> Tensor:
+                ) -> tuple[Tensor, Tensor | None]:
         """x (B, T, d_model), memory_kv the memory's keys and values (Transformer.memory_kv), mask
-        (B, 1, 1, S) -> (B, T, d_model)."""
+        (B, 1, 1, S) -> (B, T, d_model) and the output bias left to the LayerNorm."""
         k, v = memory_kv
         dropout_p = self.dropout if self.training else 0.0
         q = split_heads(self.q(x), self.heads)
-        return self.out(merge_heads(attention(q, k, v, attn_mask=memory_mask,
-                                              dropout_p=dropout_p)))
+        return output_projection(self.out, merge_heads(attention(
+            q, k, v, attn_mask=memory_mask, dropout_p=dropout_p)), self.fold_bias)
 
     def weights(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], memory_mask: Tensor | None
                 ) -> Tensor:
@@ -300,7 +305,7 @@ class CrossAttention(nn.Module):
                                        memory_mask)
 
     def step(self, x: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sentences: Tensor | None,
-             ) -> Tensor:
+             ) -> tuple[Tensor, Tensor | None]:
         """One decoding step for x (N, d_model) over per-sentence keys k (B, h, S, d_k), values
         and additive padding bias (B, 1, 1, S). Rows grouped by sentence (sentences=None,
         N = B·r) attend as r queries of their sentence, with no copy of k and v; otherwise row i
@@ -314,7 +319,7 @@ class CrossAttention(nn.Module):
             k, v = k[sentences], v[sentences]
             bias = None if bias is None else bias[sentences]
         out = decoding.step_attention(q, k, v, bias)
-        return F.linear(out.transpose(1, 2).reshape(n, -1), self.out.weight, self.out.bias)
+        return output_projection(self.out, out.transpose(1, 2).reshape(n, -1), self.fold_bias)
 
 
 class FeedForward(nn.Module):
@@ -325,14 +330,17 @@ class FeedForward(nn.Module):
         self.dropout = cfg.activation_dropout
         self.w1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model)
+        self.fold_bias = not cfg.pre_norm
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        """x (..., d_model) -> (..., d_model) and the output bias left to the LayerNorm."""
         w, b = self.w1.weight, self.w1.bias
         if x.device.type in PER_OP_DEVICES or not x.dtype == w.dtype == b.dtype:
             h = F.relu(self.w1(x))
         else:
             h = _LinearReLU.apply(x.flatten(0, -2), w, b).view(*x.shape[:-1], -1)
-        return self.w2(ops.dropout(h, self.dropout, self.training))
+        return output_projection(self.w2, ops.dropout(h, self.dropout, self.training),
+                                 self.fold_bias)
 
 
 class _LinearReLU(torch.autograd.Function):
@@ -369,7 +377,8 @@ class Stream(NamedTuple):
 
 # Devices that run the model op by op, without the forms that spare GPU launches (LayerNorm's
 # copy of its output, one product for every decoder layer's memory keys and values, the
-# feed-forward's ReLU inside its first product): on a CPU a launch costs nothing, the copies
+# feed-forward's ReLU inside its first product, a sub-layer's output bias added and its gradient
+# summed by the LayerNorm kernels): on a CPU a launch costs nothing, the copies
 # measured no faster (python -m scripts.measure_cast_savings), and the ops one by one keep the
 # recorded runs' numbers (tests/test_recorded_run.py).
 PER_OP_DEVICES = ("cpu",)
@@ -386,6 +395,16 @@ def autocast_copy_dtype(x: Tensor) -> torch.dtype | None:
     return None if dtype == torch.float32 else dtype
 
 
+def output_projection(linear: nn.Linear, x: Tensor, fold_bias: bool
+                      ) -> tuple[Tensor, Tensor | None]:
+    """A sub-layer's last linear map: (x W^T + b, None), or, with fold_bias outside
+    PER_OP_DEVICES, (x W^T, b) for the post-norm LayerNorm after it to add: its kernels sum b's
+    gradient in their backward, sparing the map's bias-gradient launch."""
+    if fold_bias and x.device.type not in PER_OP_DEVICES:
+        return F.linear(x, linear.weight), linear.bias
+    return F.linear(x, linear.weight, linear.bias), None
+
+
 class AddNorm(nn.Module):
     """"Add & Norm" around a sub-layer: LayerNorm(x + Dropout(Sublayer(x))) (3.1, 5.4), in one
     fused op. With pre_norm (not the paper's): x + Dropout(Sublayer(LayerNorm(x)))."""
@@ -395,13 +414,17 @@ class AddNorm(nn.Module):
         self.pre_norm = cfg.pre_norm
         self.norm = ResidualLayerNorm(cfg.d_model, cfg.dropout)
 
-    def forward(self, x: Stream, sublayer: Callable[[Tensor], Tensor]) -> Stream:
+    def forward(self, x: Stream, sublayer: Callable[[Tensor], tuple[Tensor, Tensor | None]]
+                ) -> Stream:
+        """sublayer maps its input to its output and the bias of its last linear map if it left
+        that to the LayerNorm (output_projection)."""
         if self.pre_norm:
             h = x.x
-            y = sublayer(F.layer_norm(h, h.shape[-1:], self.norm.weight, self.norm.bias))
+            y, _ = sublayer(F.layer_norm(h, h.shape[-1:], self.norm.weight, self.norm.bias))
             return Stream(h + ops.dropout(y, self.norm.dropout, self.training))
         dtype = autocast_copy_dtype(x.x)
-        out = self.norm(sublayer(x.input), x.x, copy_dtype=dtype)
+        y, y_bias = sublayer(x.input)
+        out = self.norm(y, x.x, copy_dtype=dtype, x_bias=y_bias)
         return Stream(*out) if dtype is not None else Stream(out)
 
 

@@ -355,13 +355,13 @@ class ResidualLayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(normalized_shape, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(normalized_shape, device=device, dtype=dtype))
 
-    def forward(self, x: Tensor, residual: Tensor, copy_dtype: torch.dtype | None = None
-                ) -> Tensor | tuple[Tensor, Tensor]:
-        """x, residual (..., d) -> (..., d); with copy_dtype, also its copy in that dtype
-        (ops.layer_norm_residual's)."""
+    def forward(self, x: Tensor, residual: Tensor, copy_dtype: torch.dtype | None = None,
+                x_bias: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        """x, residual (..., d) -> (..., d); with copy_dtype, also its copy in that dtype; x_bias
+        is added to x first (ops.layer_norm_residual's arguments)."""
         dropout_p = self.dropout if self.training else 0.0
         return ops.layer_norm_residual(x, residual, self.weight, self.bias, self.eps, dropout_p,
-                                       copy_dtype=copy_dtype)
+                                       copy_dtype=copy_dtype, x_bias=x_bias)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, dropout={self.dropout}, eps={self.eps}"

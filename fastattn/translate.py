@@ -389,10 +389,11 @@ class Translator:
             hook.remove()
         if kind == "encoder":
             q, k, _ = module.qkv(inputs[0][0]).split(module.split, dim=-1)
+            k = k[0].unflatten(-1, (module.heads, -1)).transpose(0, 1)
         else:
-            x, memory, _ = inputs[0]
-            q, k = module.q(x), module.kv(memory).split(module.split, dim=-1)[0]
-        q, k = (t[0].unflatten(-1, (module.heads, -1)).transpose(0, 1).float() for t in (q, k))
+            x, (k, _), _ = inputs[0]  # the memory's keys, heads split: (B, h, S, d_k)
+            q, k = module.q(x), k[0]
+        q, k = q[0].unflatten(-1, (module.heads, -1)).transpose(0, 1).float(), k.float()
         weights = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
         pieces = self.sp.id_to_piece
         return pieces(target_ids), pieces(source_ids), weights.cpu()

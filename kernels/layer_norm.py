@@ -43,16 +43,16 @@ def _keep_mask(seed, row, cols, dropout_p):
 
 @triton.jit(do_not_specialize=["seed"])
 def _layer_norm_fwd_kernel(
-    X, R, W, B, Y, Y_COPY, S, Mean, Rstd, seed,
+    X, XB, R, W, B, Y, Y_COPY, S, Mean, Rstd, seed,
     stride_x, stride_r, stride_y, stride_s,
     N, eps, dropout_p,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr, STORE_COPY: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HAS_X_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, STORE_SUM: tl.constexpr,
+    STORE_COPY: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One row per program.
 
-    s = r + x * keep / (1 - p)
+    s = r + (x + xb) * keep / (1 - p)        (xb: the bias of the linear map that made x)
     mean = sum(s) / N,  rstd = 1 / sqrt(sum((s - mean)^2) / N + eps)
     y = (s - mean) * rstd * w + b,  y_copy = y rounded to Y_COPY's dtype (stride_y, too)
     """
@@ -60,6 +60,8 @@ def _layer_norm_fwd_kernel(
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     s = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_X_BIAS:
+        s += tl.load(XB + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
         keep = _keep_mask(seed, row, cols, dropout_p)
         s = tl.where(keep, s / (1.0 - dropout_p), 0.0)
@@ -85,10 +87,14 @@ def _layer_norm_fwd_kernel(
 
 
 @triton.jit
-def _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean, rstd, dropout_p,
-                    HAS_RESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """xhat = (r + x * keep / (1 - p) - mean) * rstd of row's `cols`, and the keep mask."""
+def _recompute_xhat(X, XB, R, seed, row, cols, mask, stride_x, stride_r, mean, rstd, dropout_p,
+                    HAS_X_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                    HAS_DROPOUT: tl.constexpr):
+    """xhat = (r + (x + xb) * keep / (1 - p) - mean) * rstd of row's `cols`, and the keep
+    mask."""
     s = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_X_BIAS:
+        s += tl.load(XB + cols, mask=mask, other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
         keep = _keep_mask(seed, row, cols, dropout_p)
@@ -111,7 +117,8 @@ def _load_dy(DY, DY_COPY, offsets, mask, HAS_DY_COPY: tl.constexpr):
 def _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
                        stride_dx, dropout_p, HAS_DSUM: tl.constexpr,
                        STORE_DRESIDUAL: tl.constexpr, HAS_DROPOUT: tl.constexpr):
-    """Adds the returned sum's gradient to ds; stores dresidual = ds, dx = ds * keep / (1 - p)."""
+    """Adds the returned sum's gradient to ds; stores dresidual = ds, dx = ds * keep / (1 - p);
+    returns dx (float32)."""
     if HAS_DSUM:
         ds += tl.load(DSUM + row * stride_dsum + cols, mask=mask, other=0.0).to(tl.float32)
     if STORE_DRESIDUAL:
@@ -119,16 +126,17 @@ def _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, str
     if HAS_DROPOUT:
         ds = tl.where(keep, ds / (1.0 - dropout_p), 0.0)
     tl.store(DX + row * stride_dx + cols, ds.to(DX.dtype.element_ty), mask=mask)
+    return ds
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _layer_norm_bwd_kernel(
-    DY, DY_COPY, DSUM, X, R, W, Mean, Rstd, seed, DX, DR, DW, DB,
+    DY, DY_COPY, DSUM, X, XB, R, W, Mean, Rstd, seed, DX, DR, DW, DB, DXB,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
     M, N, rows_per_program, dropout_p,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_DSUM: tl.constexpr, STORE_DRESIDUAL: tl.constexpr,
-    HAS_DY_COPY: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_X_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DSUM: tl.constexpr,
+    STORE_DRESIDUAL: tl.constexpr, HAS_DY_COPY: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """A contiguous block of rows per program, each row held in registers; the block's dW, dB
     partials accumulate in registers (fp32).
@@ -137,18 +145,20 @@ def _layer_norm_bwd_kernel(
     xhat = (s - mean) * rstd,  g = dy * w
     ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dsum     (dsum: grad of the returned sum)
     dresidual = ds,  dx = ds * keep / (1 - p)
-    dW[program] = sum over its rows of dy * xhat,  dB[program] = sum of dy
+    dW[program] = sum over its rows of dy * xhat,  dB[program] = sum of dy,  dXB[program] = sum
+    of dx
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dxb = tl.zeros((BLOCK_N,), dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program  # int64 rows: row * stride may pass 2**31
     for row in range(row_start, tl.minimum(row_start + rows_per_program, M)):
         rstd = tl.load(Rstd + row)
-        xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r,
-                                     tl.load(Mean + row), rstd, dropout_p,
+        xhat, keep = _recompute_xhat(X, XB, R, seed, row, cols, mask, stride_x, stride_r,
+                                     tl.load(Mean + row), rstd, dropout_p, HAS_X_BIAS,
                                      HAS_RESIDUAL, HAS_DROPOUT)
         g = _load_dy(DY, DY_COPY, row * stride_dy + cols, mask, HAS_DY_COPY)
         if HAS_BIAS:
@@ -157,27 +167,31 @@ def _layer_norm_bwd_kernel(
             dw += g * xhat
             g *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         ds = (g - (xhat * tl.sum(g * xhat, axis=0) + tl.sum(g, axis=0)) / N) * rstd
-        _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
-                           stride_dx, dropout_p, HAS_DSUM, STORE_DRESIDUAL, HAS_DROPOUT)
+        dx = _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
+                                stride_dx, dropout_p, HAS_DSUM, STORE_DRESIDUAL, HAS_DROPOUT)
+        if HAS_X_BIAS:
+            dxb += dx
     if HAS_WEIGHT:
         tl.store(DW + pid * N + cols, dw, mask=mask)
     if HAS_BIAS:
         tl.store(DB + pid * N + cols, db, mask=mask)
+    if HAS_X_BIAS:
+        tl.store(DXB + pid * N + cols, dxb, mask=mask)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _layer_norm_bwd_wide_kernel(
-    DY, DY_COPY, DSUM, X, R, W, Mean, Rstd, seed, DX, DR, DW, DB,
+    DY, DY_COPY, DSUM, X, XB, R, W, Mean, Rstd, seed, DX, DR, DW, DB, DXB,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
     M, N, rows_per_program, dropout_p,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_DROPOUT: tl.constexpr, HAS_DSUM: tl.constexpr, STORE_DRESIDUAL: tl.constexpr,
-    HAS_DY_COPY: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_X_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_DROPOUT: tl.constexpr, HAS_DSUM: tl.constexpr,
+    STORE_DRESIDUAL: tl.constexpr, HAS_DY_COPY: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """The same math for rows wider than registers hold with their partials: BLOCK_N-column
     chunks, two passes per row. Pass 1 sums g * xhat and g, and adds dy * xhat, dy to this
-    program's own dW, dB partial rows in global memory; pass 2 rereads the row (from L2) and
-    stores the input gradients."""
+    program's own dW, dB partial rows in global memory; pass 2 rereads the row (from L2),
+    stores the input gradients and adds dx to the dXB partial row."""
     pid = tl.program_id(0)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -185,6 +199,9 @@ def _layer_norm_bwd_wide_kernel(
             tl.store(DW + pid * N + cols, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=cols < N)
         if HAS_BIAS:
             tl.store(DB + pid * N + cols, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=cols < N)
+        if HAS_X_BIAS:
+            tl.store(DXB + pid * N + cols, tl.zeros((BLOCK_N,), dtype=tl.float32),
+                     mask=cols < N)
     row_start = pid.to(tl.int64) * rows_per_program
     for row in range(row_start, tl.minimum(row_start + rows_per_program, M)):
         mean, rstd = tl.load(Mean + row), tl.load(Rstd + row)
@@ -193,8 +210,9 @@ def _layer_norm_bwd_wide_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < N
-            xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean,
-                                         rstd, dropout_p, HAS_RESIDUAL, HAS_DROPOUT)
+            xhat, keep = _recompute_xhat(X, XB, R, seed, row, cols, mask, stride_x, stride_r,
+                                         mean, rstd, dropout_p, HAS_X_BIAS, HAS_RESIDUAL,
+                                         HAS_DROPOUT)
             g = _load_dy(DY, DY_COPY, row * stride_dy + cols, mask, HAS_DY_COPY)
             if HAS_BIAS:  # each thread rereads what it wrote, in the same layout
                 tl.store(DB + pid * N + cols, tl.load(DB + pid * N + cols, mask=mask) + g,
@@ -208,35 +226,46 @@ def _layer_norm_bwd_wide_kernel(
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = cols < N
-            xhat, keep = _recompute_xhat(X, R, seed, row, cols, mask, stride_x, stride_r, mean,
-                                         rstd, dropout_p, HAS_RESIDUAL, HAS_DROPOUT)
+            xhat, keep = _recompute_xhat(X, XB, R, seed, row, cols, mask, stride_x, stride_r,
+                                         mean, rstd, dropout_p, HAS_X_BIAS, HAS_RESIDUAL,
+                                         HAS_DROPOUT)
             g = _load_dy(DY, DY_COPY, row * stride_dy + cols, mask, HAS_DY_COPY)
             if HAS_WEIGHT:
                 g *= tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
             ds = (g - (xhat * sum_g_xhat + sum_g) / N) * rstd
-            _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, stride_dr,
-                               stride_dx, dropout_p, HAS_DSUM, STORE_DRESIDUAL, HAS_DROPOUT)
+            dx = _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum,
+                                    stride_dr, stride_dx, dropout_p, HAS_DSUM, STORE_DRESIDUAL,
+                                    HAS_DROPOUT)
+            if HAS_X_BIAS:
+                tl.store(DXB + pid * N + cols, tl.load(DXB + pid * N + cols, mask=mask) + dx,
+                         mask=mask)
 
 
 @triton.jit
-def _layer_norm_dwdb_kernel(DW_PARTIAL, DB_PARTIAL, DW, DB, programs, N,
+def _layer_norm_dwdb_kernel(DW_PARTIAL, DB_PARTIAL, DXB_PARTIAL, DW, DB, DXB, programs, N,
                             HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
-    """dW = sum over programs of dW[program], dB likewise, for BLOCK_N columns: both in one
-    launch, summed in program order (deterministic)."""
+                            HAS_X_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dW = sum over programs of dW[program], dB and dXB likewise, for BLOCK_N columns: all in
+    one launch, summed in program order (deterministic) in float32; dXB stored in its own dtype
+    (x_bias's: no cast launch after)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    dxb = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for p in range(0, programs):
         if HAS_WEIGHT:
             dw += tl.load(DW_PARTIAL + p * N + cols, mask=mask, other=0.0)
         if HAS_BIAS:
             db += tl.load(DB_PARTIAL + p * N + cols, mask=mask, other=0.0)
+        if HAS_X_BIAS:
+            dxb += tl.load(DXB_PARTIAL + p * N + cols, mask=mask, other=0.0)
     if HAS_WEIGHT:
         tl.store(DW + cols, dw, mask=mask)
     if HAS_BIAS:
         tl.store(DB + cols, db, mask=mask)
+    if HAS_X_BIAS:
+        tl.store(DXB + cols, dxb.to(DXB.dtype.element_ty), mask=mask)
 
 
 DWDB_BLOCK = 256  # columns per program of the dW/dB sum
@@ -278,9 +307,10 @@ def layer_norm_residual_forward(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
     bias: torch.Tensor | None, seed: int, eps: float, dropout_p: float,
     return_residual: bool, copy_dtype: torch.dtype | None = None,
+    x_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, sum or empty, y in copy_dtype or empty, mean, rstd) for 2-D x and residual with
-    unit column stride."""
+    unit column stride; x_bias (N,) is added to x first."""
     M, N = x.shape
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = torch.empty((M, N), dtype=dtype, device=x.device)
@@ -290,13 +320,14 @@ def layer_norm_residual_forward(
     rstd = torch.empty_like(mean)
     block_n = triton.next_power_of_2(N)
     _layer_norm_fwd_kernel[(M,)](
-        x, residual, weight, bias, y, y_copy, s, mean, rstd, seed,
+        x, x_bias, residual, weight, bias, y, y_copy, s, mean, rstd, seed,
         x.stride(0), 0 if residual is None else residual.stride(0), y.stride(0),
         s.stride(0) if return_residual else 0,
         N, eps, dropout_p,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0, STORE_SUM=return_residual,
-        STORE_COPY=copy_dtype is not None, BLOCK_N=block_n, num_warps=_num_warps(block_n),
+        HAS_X_BIAS=x_bias is not None, HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, HAS_DROPOUT=dropout_p > 0,
+        STORE_SUM=return_residual, STORE_COPY=copy_dtype is not None, BLOCK_N=block_n,
+        num_warps=_num_warps(block_n),
     )
     return y, s, y_copy, mean, rstd
 
@@ -305,35 +336,38 @@ def layer_norm_residual_backward(
     dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
     weight: torch.Tensor | None, has_bias: bool, seed: int, mean: torch.Tensor,
     rstd: torch.Tensor, dropout_p: float, dy_copy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dresidual or empty, fp32 dweight or empty, fp32 dbias or empty) for contiguous dy,
-    dsum and dy_copy (the gradient of y's copy, added to dy's); dresidual is empty when it
-    equals dx (custom ops may not return aliases)."""
+    x_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dresidual or empty, fp32 dweight and dbias or empty, dx_bias in x_bias's dtype or
+    empty) for contiguous dy, dsum and dy_copy (the gradient of y's copy, added to dy's);
+    dresidual is empty when it equals dx (custom ops may not return aliases)."""
     M, N = x.shape
     dx = torch.empty_like(x)
     store_dr = separate_dresidual(x, residual, dropout_p)
     dr = torch.empty_like(residual) if store_dr else x.new_empty(0)
     programs = _num_programs(x, M)
     partial = lambda on: x.new_empty((programs, N) if on else 0, dtype=torch.float32)
-    dw, db = partial(weight is not None), partial(has_bias)
+    dw, db, dxb = partial(weight is not None), partial(has_bias), partial(x_bias is not None)
     kernel, block_n, num_warps = _bwd_config(N)
     kernel[(programs,)](
-        dy, dy_copy, dsum, x, residual, weight, mean, rstd, seed, dx, dr, dw, db,
+        dy, dy_copy, dsum, x, x_bias, residual, weight, mean, rstd, seed, dx, dr, dw, db, dxb,
         dy.stride(0), 0 if dsum is None else dsum.stride(0), x.stride(0),
         0 if residual is None else residual.stride(0), dx.stride(0),
         dr.stride(0) if store_dr else 0, M, N, triton.cdiv(M, programs), dropout_p,
-        HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
-        HAS_DROPOUT=dropout_p > 0, HAS_DSUM=dsum is not None, STORE_DRESIDUAL=store_dr,
-        HAS_DY_COPY=dy_copy is not None, BLOCK_N=block_n, num_warps=num_warps,
+        HAS_X_BIAS=x_bias is not None, HAS_RESIDUAL=residual is not None,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DROPOUT=dropout_p > 0,
+        HAS_DSUM=dsum is not None, STORE_DRESIDUAL=store_dr, HAS_DY_COPY=dy_copy is not None,
+        BLOCK_N=block_n, num_warps=num_warps,
     )
-    if weight is None and not has_bias:
-        return dx, dr, dw, db
+    if not (dw.numel() or db.numel() or dxb.numel()):
+        return dx, dr, dw, db, dxb
     dw_sum, db_sum = (t.new_empty(N) if t.numel() else t for t in (dw, db))
+    dxb_sum = dxb if x_bias is None else x_bias.new_empty(N)
     _layer_norm_dwdb_kernel[(triton.cdiv(N, DWDB_BLOCK),)](
-        dw, db, dw_sum, db_sum, programs, N, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
-        BLOCK_N=DWDB_BLOCK, num_warps=2,
+        dw, db, dxb, dw_sum, db_sum, dxb_sum, programs, N, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=has_bias, HAS_X_BIAS=x_bias is not None, BLOCK_N=DWDB_BLOCK, num_warps=2,
     )
-    return dx, dr, dw_sum, db_sum
+    return dx, dr, dw_sum, db_sum, dxb_sum
 
 
 def forward_bytes(
@@ -366,21 +400,23 @@ def forward_bytes(
 def compile_configs() -> list[dict]:
     """Every (kernel, block size, warps) the launchers pick, all features on (most registers)."""
     fwd_signature = {
-        "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16", "B": "*fp32:16", "Y": "*fp16:16",
-        "Y_COPY": "*fp16:16", "S": "*fp16:16",
+        "X": "*fp16:16", "XB": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16", "B": "*fp32:16",
+        "Y": "*fp16:16", "Y_COPY": "*fp16:16", "S": "*fp16:16",
         "Mean": "*fp32:16", "Rstd": "*fp32:16", "seed": "i64",
         "stride_x": "i32:16", "stride_r": "i32:16", "stride_y": "i32:16", "stride_s": "i32:16",
         "N": "i32", "eps": "fp32", "dropout_p": "fp32",
     }
     bwd_signature = {
-        "DY": "*fp16:16", "DY_COPY": "*fp16:16", "DSUM": "*fp16:16", "X": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16",
-        "Mean": "*fp32:16", "Rstd": "*fp32:16", "seed": "i64", "DX": "*fp16:16", "DR": "*fp16:16",
-        "DW": "*fp32:16", "DB": "*fp32:16",
+        "DY": "*fp16:16", "DY_COPY": "*fp16:16", "DSUM": "*fp16:16", "X": "*fp16:16",
+        "XB": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16", "Mean": "*fp32:16",
+        "Rstd": "*fp32:16", "seed": "i64", "DX": "*fp16:16", "DR": "*fp16:16",
+        "DW": "*fp32:16", "DB": "*fp32:16", "DXB": "*fp32:16",
         "stride_dy": "i32:16", "stride_dsum": "i32:16", "stride_x": "i32:16", "stride_r": "i32:16",
         "stride_dx": "i32:16", "stride_dr": "i32:16",
         "M": "i32", "N": "i32", "rows_per_program": "i32", "dropout_p": "fp32",
     }
-    flags = dict(HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True, HAS_DROPOUT=True)
+    flags = dict(HAS_X_BIAS=True, HAS_RESIDUAL=True, HAS_WEIGHT=True, HAS_BIAS=True,
+                 HAS_DROPOUT=True)
     bwd_flags = dict(flags, HAS_DSUM=True, STORE_DRESIDUAL=True, HAS_DY_COPY=True)
     launches = []
     for log2 in range(MAX_FEATURES.bit_length()):
@@ -394,10 +430,12 @@ def compile_configs() -> list[dict]:
     kernel, block_n, num_warps = _bwd_config(MAX_FEATURES)
     launches.append(("layer_norm_bwd_wide", kernel, bwd_signature,
                      dict(bwd_flags, BLOCK_N=block_n), num_warps))
-    dwdb_signature = {"DW_PARTIAL": "*fp32:16", "DB_PARTIAL": "*fp32:16", "DW": "*fp32:16",
-                      "DB": "*fp32:16", "programs": "i32", "N": "i32"}
+    dwdb_signature = {"DW_PARTIAL": "*fp32:16", "DB_PARTIAL": "*fp32:16",
+                      "DXB_PARTIAL": "*fp32:16", "DW": "*fp32:16", "DB": "*fp32:16",
+                      "DXB": "*fp16:16", "programs": "i32", "N": "i32"}
     launches.append(("layer_norm_dwdb", _layer_norm_dwdb_kernel, dwdb_signature,
-                     dict(HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_N=DWDB_BLOCK), 2))
+                     dict(HAS_WEIGHT=True, HAS_BIAS=True, HAS_X_BIAS=True, BLOCK_N=DWDB_BLOCK),
+                     2))
     return [
         dict(
             name=f"{name}_N{constexprs['BLOCK_N']}", fn=fn,

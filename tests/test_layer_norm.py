@@ -233,6 +233,38 @@ def test_returns_only_y_by_default_and_keeps_shape():
     assert isinstance(y, torch.Tensor) and y.shape == x.shape
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("n", [17, 4099])  # the one-pass and the two-pass (wide) backward
+def test_x_bias_is_added_before_dropout_and_gets_its_gradient(dtype, dropout_p, n):
+    """x_bias, the bias of the linear map that made x: y = LN(r + dropout(x + x_bias)) and every
+    gradient, x_bias's too, against float64 (graded as the other inputs are)."""
+    masters, dtypes = _inputs(n, dtype, seed=3)
+    g = torch.Generator().manual_seed(4)
+    masters = (*masters, torch.randn(n, generator=g, dtype=torch.float64))
+    dtypes = (*dtypes, dtype)
+    grads = (torch.randn(*ROWS, n, generator=g, dtype=torch.float64),
+             torch.randn(*ROWS, n, generator=g, dtype=torch.float64))
+    keep = None
+    if dropout_p > 0:
+        torch.manual_seed(5)
+        keep = _dropout_keep_mask(masters[0].to(dtype), dropout_p)
+
+    def ours(x, r, w, b, xb):
+        return layer_norm_residual(x, r, w, b, dropout_p=dropout_p, return_residual=True,
+                                   x_bias=xb)
+
+    def reference(x, r, w, b, xb):
+        return layer_norm_residual_reference(x + xb, r, w, b, 1e-5, keep, dropout_p)
+
+    torch.manual_seed(5)
+    out, dparams = _run(ours, masters, dtypes, grads)
+    exact_out, exact_grads = _run(reference, masters, [torch.float64] * 5, grads)
+    lowp_out, lowp_grads = _run(reference, masters, dtypes, grads)
+    _check(out, exact_out, lowp_out, dtype)
+    _check(dparams, exact_grads, lowp_grads, dtype)
+
+
 # Triton's interpreter rounds float32 to bfloat16 toward zero (a GPU, like y.to(), to nearest
 # even), so there the bfloat16 copy is not y.to(bfloat16): float16 checks the kernels.
 COPY_DTYPES = [torch.float16] if INTERPRETED else [torch.float16, torch.bfloat16]
@@ -307,10 +339,11 @@ def test_custom_op_registration():
     x, r = torch.randn(5, 40, requires_grad=True), torch.randn(5, 40, requires_grad=True)
     w, b = torch.randn(40, requires_grad=True), torch.randn(40, requires_grad=True)
     seed = torch.tensor([123])
-    for copy_dtype in (None, torch.bfloat16):
+    xb = torch.randn(40, requires_grad=True)
+    for copy_dtype, x_bias in ((None, None), (torch.bfloat16, xb)):
         torch.library.opcheck(
             torch.ops.fastattn.layer_norm_residual_fwd.default,
-            (x, r, w, b, seed, 1e-5, 0.25, True, copy_dtype),
+            (x, r, w, b, seed, 1e-5, 0.25, True, copy_dtype, x_bias),
             test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
         )
 
