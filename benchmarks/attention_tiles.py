@@ -33,13 +33,16 @@ TILES = {
     "_attn_bwd_dq": [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3),
                      (64, 32, 8, 3)],
 }
+# --dtype names; fp32 compiles its products in tf32 (torch's allow_tf32 on), as fp32 inputs with
+# tf32 allowed run on tensor cores.
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kernel", nargs="+", default=list(TILES), choices=list(TILES))
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtype", nargs="+", default=["fp16", "bf16"])
+    parser.add_argument("--dtype", nargs="+", default=["fp16", "bf16"], choices=list(DTYPES))
     parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     parser.add_argument("--variant", nargs="+", default=list(attention.VARIANTS),
                         choices=list(attention.VARIANTS))
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
                                                           args.arch):
             tiles = [] if args.shipped else [tuple(t) for t in args.tile] if args.tile \
                 else TILES[name]
-            shipped = attention.launch_tile(name, d, torch.float16, arch,
+            shipped = attention.launch_tile(name, d, DTYPES[dtype], arch,
                                             **attention.tile_variant(*attention.VARIANTS[variant]))
             work += [(name, d, dtype, variant, tile, arch)
                      for tile in dict.fromkeys([shipped, *tiles])]
