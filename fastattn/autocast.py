@@ -45,13 +45,15 @@ def _copies(tensors: Sequence[Tensor], dtypes: Sequence[torch.dtype]) -> list[Te
 
 
 @contextlib.contextmanager
-def batched_weight_casts(groups: Sequence[nn.Module], device_type: str) -> Iterator[None]:
-    """Within the block, under autocast on `device_type`, the nn.Linear maps inside each module
-    of `groups` read copies of their float32 weights and biases in the autocast dtype, made for
-    each group by one _CastAll (autocast then finds them cast already). Without autocast, or
-    without float32 weights, nothing changes. The modules' parameters stay what they are (the
-    optimiser, state_dict and DDP see them); the copies shadow them as instance attributes
-    until the block ends."""
+def batched_weight_casts(groups: Sequence[nn.Module | Sequence[nn.Module]], device_type: str
+                         ) -> Iterator[None]:
+    """Within the block, under autocast on `device_type`, the nn.Linear maps inside each group
+    (a module, or a list of modules) read copies of their float32 weights and biases in the
+    autocast dtype, made for each group by one _CastAll (autocast then finds them cast
+    already); a map an earlier group cast is left to it. Without autocast, or without float32
+    weights, nothing changes. The modules' parameters stay what they are (the optimiser,
+    state_dict and DDP see them); the copies shadow them as instance attributes until the
+    block ends."""
     if not torch.is_autocast_enabled(device_type):
         yield
         return
@@ -59,9 +61,11 @@ def batched_weight_casts(groups: Sequence[nn.Module], device_type: str) -> Itera
     shadowed: list[tuple[nn.Module, str]] = []
     try:
         for group in groups:
-            slots = [(linear, name) for linear in group.modules() if isinstance(linear, nn.Linear)
+            modules = group.modules() if isinstance(group, nn.Module) else (
+                m for module in group for m in module.modules())
+            slots = [(linear, name) for linear in modules if isinstance(linear, nn.Linear)
                      for name in ("weight", "bias")
-                     if getattr(linear, name) is not None
+                     if getattr(linear, name) is not None and name not in linear.__dict__
                      and getattr(linear, name).dtype == torch.float32]
             if not slots:
                 continue

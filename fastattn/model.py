@@ -334,11 +334,12 @@ class FeedForward(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         """x (..., d_model) -> (..., d_model) and the output bias left to the LayerNorm."""
-        w, b = self.w1.weight, self.w1.bias
-        if x.device.type in PER_OP_DEVICES or not x.dtype == w.dtype == b.dtype:
+        if x.device.type in PER_OP_DEVICES or not (
+                x.dtype == self.w1.weight.dtype == self.w1.bias.dtype):
             h = F.relu(self.w1(x))
         else:
-            h = _LinearReLU.apply(x.flatten(0, -2), w, b).view(*x.shape[:-1], -1)
+            h = _LinearReLU.apply(x.flatten(0, -2), self.w1.weight, self.w1.bias).view(
+                *x.shape[:-1], -1)
         return output_projection(self.w2, ops.dropout(h, self.dropout, self.training),
                                  self.fold_bias)
 
@@ -402,7 +403,7 @@ def output_projection(linear: nn.Linear, x: Tensor, fold_bias: bool
     gradient in their backward, sparing the map's bias-gradient launch."""
     if fold_bias and x.device.type not in PER_OP_DEVICES:
         return F.linear(x, linear.weight), linear.bias
-    return F.linear(x, linear.weight, linear.bias), None
+    return linear(x), None
 
 
 class AddNorm(nn.Module):
@@ -564,7 +565,10 @@ class Transformer(nn.Module):
         """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model) as a Stream (its
         .input for the output projection): encode, then decode, with autocast's weight casts
         batched per layer (fastattn.autocast)."""
-        with batched_weight_casts([*self.encoder.layers, *self.decoder.layers],
+        # The memory's projections are one group: on a GPU they are one product, whose
+        # gradients come at the end of the decoder's backward; the layers' own come per layer.
+        memory_kv = [layer.cross_attention.kv for layer in self.decoder.layers]
+        with batched_weight_casts([memory_kv, *self.encoder.layers, *self.decoder.layers],
                                   src.device.type):
             return self.decode(tgt_in, *self.encode(src))
 
