@@ -111,6 +111,17 @@ class TorchTransformer(nn.Module):
 MODELS = {"fastattn": Transformer, "torch.nn.Transformer": TorchTransformer}
 
 
+def batch_for(cfg) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BATCH's (source, decoder input, decoder target) of random ids for cfg, on DEVICE."""
+    sentences, src_len, tgt_len = BATCH
+    generator = torch.Generator().manual_seed(0)
+    src, tgt = (
+        torch.randint(1, vocab, (sentences, n), generator=generator).to(DEVICE)
+        for vocab, n in ((cfg.vocab_size, src_len), (cfg.output_size, tgt_len + 1))
+    )  # ids from 1: 0 is padding
+    return src, tgt[:, :-1], tgt[:, 1:]
+
+
 def training_step(model: nn.Module, batch, precision: str):
     """A closure running one step with Adam (the paper's betas and epsilon)."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
@@ -138,12 +149,7 @@ def test_training_step(benchmark, preset, precision, impl):
                     "multi30k step 20x slower than fp32), so fastattn.train uses fp32 here")
     cfg = CONFIGS[preset]
     sentences, src_len, tgt_len = BATCH
-    generator = torch.Generator().manual_seed(0)
-    src, tgt = (
-        torch.randint(1, vocab, (sentences, n), generator=generator).to(DEVICE)
-        for vocab, n in ((cfg.vocab_size, src_len), (cfg.output_size, tgt_len + 1))
-    )  # ids from 1: 0 is padding
-    batch = (src, tgt[:, :-1], tgt[:, 1:])
+    batch = batch_for(cfg)
     torch.manual_seed(0)
     model = MODELS[impl](cfg).to(DEVICE).train()
     dtype = torch.float32 if precision == "fp32" else low_precision()

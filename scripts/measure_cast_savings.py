@@ -39,13 +39,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     cfg = bench_train.CONFIGS[args.preset]
-    sentences, src_len, tgt_len = bench_train.BATCH
-    generator = torch.Generator().manual_seed(0)
-    src, tgt = (torch.randint(1, vocab, (sentences, n), generator=generator)
-                for vocab, n in ((cfg.vocab_size, src_len), (cfg.output_size, tgt_len + 1)))
     torch.manual_seed(0)
     model = fastattn.model.Transformer(cfg).train()
-    step = bench_train.training_step(model, (src, tgt[:, :-1], tgt[:, 1:]), "mixed")
+    step = bench_train.training_step(model, bench_train.batch_for(cfg), "mixed")
     times: dict[str, list[float]] = {name: [] for name in VARIANTS}
     for _ in range(2):  # warm-up
         step()

@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-# Run inside the child: the checkout's own fastattn and benchmarks, its median step time.
+# Run inside the child: the checkout's own fastattn and benchmarks, its median step time. It
+# builds bench_train's batch itself (not bench_train.batch_for), as older checkouts lack that.
 CHILD = """
 import statistics, sys, time
 sys.path.insert(0, sys.argv[1])
