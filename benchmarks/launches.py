@@ -13,8 +13,9 @@ fused Adam, bf16 autocast and one micro-batch.
 
 What counts, per op call:
 - a launch: every ATen op that is not a view, an allocation or a metadata query (each is one CUDA
-  kernel, the usual case; multi-tensor ops count one launch per 36 tensors, as
-  multi_tensor_apply groups them for Adam's four lists), and every Triton kernel launched;
+  kernel, the usual case; multi-tensor ops count the launches ATen's multi_tensor_apply makes,
+  by its limits of tensors per launch and 65,536-element chunks, `multi_tensor_launches`), and
+  every Triton kernel launched;
 - a host sync: reading a device value on the host (Tensor.item(), .tolist(), float(tensor), a
   copy to the CPU) and the ops whose output size depends on the data (nonzero, boolean
   indexing, masked_select, unique), which wait for the device to know it;
@@ -49,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fastattn import backend
+from fastattn.kernels.reduction import arrival_counter
 from fastattn.model import PRESETS, Transformer
 from fastattn.train.step import LossModule, train_step
 
@@ -74,7 +76,11 @@ IN_PLACE_COPIES = {aten.copy_.default, aten._foreach_copy_.default}  # they writ
 # CUDA autocast's lower-precision list, for the functions the model calls.
 AUTOCAST_FUNCTIONS = {F.linear, torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
                       torch.Tensor.matmul, torch.Tensor.__matmul__}
-MULTI_TENSOR_PER_LAUNCH = 36  # multi_tensor_apply's limit for depth-4 lists (Adam)
+# ATen's multi_tensor_apply (MultiTensorApply.cuh): per launch at most this many tensors, by the
+# number of lists (copy: 2, Adam: 4), and 320 blocks of 65,536 elements each.
+MULTI_TENSOR_MAX_TENSORS = (110, 64, 48, 36, 30)
+MULTI_TENSOR_MAX_BLOCKS = 320
+MULTI_TENSOR_CHUNK = 65536
 
 
 @dataclass
@@ -109,6 +115,27 @@ def _caller() -> str:
     name = frame.filename
     name = "fastattn/" + name.split("/fastattn/")[-1] if ours else name.split("site-packages/")[-1]
     return f"{name}:{frame.lineno}"
+
+
+def multi_tensor_launches(lists: list[list[torch.Tensor]]) -> int:
+    """The kernels multi_tensor_apply launches over `lists` (same shapes list by list): it fills
+    a launch with tensors and 65,536-element chunks until either limit is met, carrying a
+    tensor whose chunks did not all fit into the next launch."""
+    max_tensors = MULTI_TENSOR_MAX_TENSORS[len(lists) - 1]
+    launches = tensors = blocks = 0
+    for t in lists[0]:
+        if t.numel() == 0:
+            continue
+        tensors += 1
+        chunks = math.ceil(t.numel() / MULTI_TENSOR_CHUNK)
+        for chunk in range(chunks):
+            blocks += 1
+            last = chunk == chunks - 1
+            if (tensors == max_tensors and last) or blocks == MULTI_TENSOR_MAX_BLOCKS:
+                launches += 1
+                blocks = 0
+                tensors = 0 if last else 1
+    return launches + (blocks > 0)
 
 
 def _fastattn_cuda_impl(func):
@@ -159,9 +186,12 @@ class CudaPathCounter(TorchDispatchMode):
         if func in NO_LAUNCH or func.is_view or not on_device:  # host work launches nothing
             return out
         if name.startswith("_foreach") or name.startswith("_fused"):
-            lists = [a for a in args if isinstance(a, (list, tuple))]
-            n = max((len(a) for a in lists), default=1)
-            self.counts.launches[name] += math.ceil(n / MULTI_TENSOR_PER_LAUNCH)
+            # the fused optimisers pass their step counts beside the lists, not as one
+            lists = [a for a, arg in zip(args, func._schema.arguments, strict=False)
+                     if isinstance(a, (list, tuple)) and a and arg.name != "state_steps"]
+            # _foreach_norm reduces each tensor's partial norms in a second kernel
+            cleanup = func is aten._foreach_norm.Scalar
+            self.counts.launches[name] += multi_tensor_launches(lists) + cleanup
         else:
             self.counts.launches[name] += 1
         if func in COPIES:
@@ -307,6 +337,7 @@ def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
     target = torch.randint(4, vocab, (sentences, length + 1), generator=generator)
     batch = (source, target[:, :-1], target[:, 1:])  # on the CPU, as the trainer's batches are
     optimizer = MetaAdam(list(model.parameters()))
+    arrival_counter(torch.device("meta"))  # made once per process (its zeros), not per step
     with cuda_dispatch(counts), CudaPathCounter(counts):
         train_step(loss_module, optimizer, [batch], autocast_dtype=torch.bfloat16)
     return {

@@ -19,7 +19,8 @@ torch's CPU generator, so torch.manual_seed reproduces it, passed by value: no l
 with the element's (column, row) as the counter; the backward regenerates the same mask
 instead of storing it. The backward recomputes the sum from x and residual (both are kept alive
 by the caller anyway) and the saved fp32 mean and rstd; dweight and dbias are summed from fp32
-per-program partials (both in one more launch), with no atomics, so they are deterministic. Rows
+per-program partials by the launch's last program (kernels/reduction.py: one launch, summed in
+program order, so they are deterministic). Rows
 wider than BWD_MAX_BLOCK take a two-pass backward over column chunks (the second pass rereads
 the row from L2), so no configuration spills registers.
 """
@@ -29,6 +30,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from fastattn.kernels.reduction import arrival_counter, last_program, sum_partials
 
 MAX_FEATURES = 16384  # one row lives in registers; wider rows would spill
 
@@ -132,6 +135,7 @@ def _store_input_grads(ds, keep, DSUM, DR, DX, row, cols, mask, stride_dsum, str
 @triton.jit(do_not_specialize=["seed"])
 def _layer_norm_bwd_kernel(
     DY, DY_COPY, DSUM, X, XB, R, W, Mean, Rstd, seed, DX, DR, DW, DB, DXB,
+    DW_SUM, DB_SUM, DXB_SUM, COUNTER,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
     M, N, rows_per_program, dropout_p,
     HAS_X_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
@@ -146,7 +150,7 @@ def _layer_norm_bwd_kernel(
     ds = rstd * (g - mean(g) - xhat * mean(g * xhat)) + dsum     (dsum: grad of the returned sum)
     dresidual = ds,  dx = ds * keep / (1 - p)
     dW[program] = sum over its rows of dy * xhat,  dB[program] = sum of dy,  dXB[program] = sum
-    of dx
+    of dx;  dW = sum over programs of dW[program] (dB, dXB likewise), by the last program
     """
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -177,11 +181,14 @@ def _layer_norm_bwd_kernel(
         tl.store(DB + pid * N + cols, db, mask=mask)
     if HAS_X_BIAS:
         tl.store(DXB + pid * N + cols, dxb, mask=mask)
+    _sum_partials_if_last(DW, DB, DXB, DW_SUM, DB_SUM, DXB_SUM, COUNTER, N, HAS_WEIGHT,
+                          HAS_BIAS, HAS_X_BIAS, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["seed"])
 def _layer_norm_bwd_wide_kernel(
     DY, DY_COPY, DSUM, X, XB, R, W, Mean, Rstd, seed, DX, DR, DW, DB, DXB,
+    DW_SUM, DB_SUM, DXB_SUM, COUNTER,
     stride_dy, stride_dsum, stride_x, stride_r, stride_dx, stride_dr,
     M, N, rows_per_program, dropout_p,
     HAS_X_BIAS: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
@@ -239,36 +246,26 @@ def _layer_norm_bwd_wide_kernel(
             if HAS_X_BIAS:
                 tl.store(DXB + pid * N + cols, tl.load(DXB + pid * N + cols, mask=mask) + dx,
                          mask=mask)
+    _sum_partials_if_last(DW, DB, DXB, DW_SUM, DB_SUM, DXB_SUM, COUNTER, N, HAS_WEIGHT,
+                          HAS_BIAS, HAS_X_BIAS, BLOCK_N)
 
 
 @triton.jit
-def _layer_norm_dwdb_kernel(DW_PARTIAL, DB_PARTIAL, DXB_PARTIAL, DW, DB, DXB, programs, N,
-                            HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            HAS_X_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dW = sum over programs of dW[program], dB and dXB likewise, for BLOCK_N columns: all in
-    one launch, summed in program order (deterministic) in float32; dXB stored in its own dtype
-    (x_bias's: no cast launch after)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dxb = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for p in range(0, programs):
-        if HAS_WEIGHT:
-            dw += tl.load(DW_PARTIAL + p * N + cols, mask=mask, other=0.0)
-        if HAS_BIAS:
-            db += tl.load(DB_PARTIAL + p * N + cols, mask=mask, other=0.0)
-        if HAS_X_BIAS:
-            dxb += tl.load(DXB_PARTIAL + p * N + cols, mask=mask, other=0.0)
-    if HAS_WEIGHT:
-        tl.store(DW + cols, dw, mask=mask)
-    if HAS_BIAS:
-        tl.store(DB + cols, db, mask=mask)
-    if HAS_X_BIAS:
-        tl.store(DXB + cols, dxb.to(DXB.dtype.element_ty), mask=mask)
-
-
-DWDB_BLOCK = 256  # columns per program of the dW/dB sum
+def _sum_partials_if_last(DW, DB, DXB, DW_SUM, DB_SUM, DXB_SUM, COUNTER, N,
+                          HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          HAS_X_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """In the launch's last program (kernels/reduction.py): dW = sum over programs of
+    dW[program], dB and dXB likewise, in program order (deterministic) in float32; dXB stored
+    in its own dtype (x_bias's: no cast launch after)."""
+    if HAS_WEIGHT or HAS_BIAS or HAS_X_BIAS:
+        if last_program(COUNTER):
+            programs = tl.num_programs(0)
+            if HAS_WEIGHT:
+                sum_partials(DW, DW_SUM, programs, N, BLOCK_N)
+            if HAS_BIAS:
+                sum_partials(DB, DB_SUM, programs, N, BLOCK_N)
+            if HAS_X_BIAS:
+                sum_partials(DXB, DXB_SUM, programs, N, BLOCK_N)
 
 
 def _num_warps(block_n: int) -> int:
@@ -348,9 +345,12 @@ def layer_norm_residual_backward(
     programs = _num_programs(x, M)
     partial = lambda on: x.new_empty((programs, N) if on else 0, dtype=torch.float32)
     dw, db, dxb = partial(weight is not None), partial(has_bias), partial(x_bias is not None)
+    dw_sum, db_sum = (t.new_empty(N) if t.numel() else t for t in (dw, db))
+    dxb_sum = dxb if x_bias is None else x_bias.new_empty(N)
     kernel, block_n, num_warps = _bwd_config(N)
     kernel[(programs,)](
         dy, dy_copy, dsum, x, x_bias, residual, weight, mean, rstd, seed, dx, dr, dw, db, dxb,
+        dw_sum, db_sum, dxb_sum, arrival_counter(x.device),
         dy.stride(0), 0 if dsum is None else dsum.stride(0), x.stride(0),
         0 if residual is None else residual.stride(0), dx.stride(0),
         dr.stride(0) if store_dr else 0, M, N, triton.cdiv(M, programs), dropout_p,
@@ -358,14 +358,6 @@ def layer_norm_residual_backward(
         HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias, HAS_DROPOUT=dropout_p > 0,
         HAS_DSUM=dsum is not None, STORE_DRESIDUAL=store_dr, HAS_DY_COPY=dy_copy is not None,
         BLOCK_N=block_n, num_warps=num_warps,
-    )
-    if not (dw.numel() or db.numel() or dxb.numel()):
-        return dx, dr, dw, db, dxb
-    dw_sum, db_sum = (t.new_empty(N) if t.numel() else t for t in (dw, db))
-    dxb_sum = dxb if x_bias is None else x_bias.new_empty(N)
-    _layer_norm_dwdb_kernel[(triton.cdiv(N, DWDB_BLOCK),)](
-        dw, db, dxb, dw_sum, db_sum, dxb_sum, programs, N, HAS_WEIGHT=weight is not None,
-        HAS_BIAS=has_bias, HAS_X_BIAS=x_bias is not None, BLOCK_N=DWDB_BLOCK, num_warps=2,
     )
     return dx, dr, dw_sum, db_sum, dxb_sum
 
@@ -410,7 +402,8 @@ def compile_configs() -> list[dict]:
         "DY": "*fp16:16", "DY_COPY": "*fp16:16", "DSUM": "*fp16:16", "X": "*fp16:16",
         "XB": "*fp16:16", "R": "*fp16:16", "W": "*fp32:16", "Mean": "*fp32:16",
         "Rstd": "*fp32:16", "seed": "i64", "DX": "*fp16:16", "DR": "*fp16:16",
-        "DW": "*fp32:16", "DB": "*fp32:16", "DXB": "*fp32:16",
+        "DW": "*fp32:16", "DB": "*fp32:16", "DXB": "*fp32:16", "DW_SUM": "*fp32:16",
+        "DB_SUM": "*fp32:16", "DXB_SUM": "*fp16:16", "COUNTER": "*i32",
         "stride_dy": "i32:16", "stride_dsum": "i32:16", "stride_x": "i32:16", "stride_r": "i32:16",
         "stride_dx": "i32:16", "stride_dr": "i32:16",
         "M": "i32", "N": "i32", "rows_per_program": "i32", "dropout_p": "fp32",
@@ -430,12 +423,6 @@ def compile_configs() -> list[dict]:
     kernel, block_n, num_warps = _bwd_config(MAX_FEATURES)
     launches.append(("layer_norm_bwd_wide", kernel, bwd_signature,
                      dict(bwd_flags, BLOCK_N=block_n), num_warps))
-    dwdb_signature = {"DW_PARTIAL": "*fp32:16", "DB_PARTIAL": "*fp32:16",
-                      "DXB_PARTIAL": "*fp32:16", "DW": "*fp32:16", "DB": "*fp32:16",
-                      "DXB": "*fp16:16", "programs": "i32", "N": "i32"}
-    launches.append(("layer_norm_dwdb", _layer_norm_dwdb_kernel, dwdb_signature,
-                     dict(HAS_WEIGHT=True, HAS_BIAS=True, HAS_X_BIAS=True, BLOCK_N=DWDB_BLOCK),
-                     2))
     return [
         dict(
             name=f"{name}_N{constexprs['BLOCK_N']}", fn=fn,

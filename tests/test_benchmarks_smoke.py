@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 import fastattn.model
 from benchmarks import launches
 from fastattn import decoding
@@ -347,6 +349,8 @@ def test_launch_counter_counts_the_cuda_path_of_one_update(monkeypatch):
         assert by_op[f"triton {kernel}"] == attention_calls
     norms = 2 * cfg.encoder_layers + 3 * cfg.decoder_layers
     assert by_op["triton _layer_norm_fwd_kernel"] == by_op["triton _layer_norm_bwd_kernel"] == norms
+    # dW and dB are summed by the backward's last program: no launch of their own
+    assert sum("layer_norm" in op for op in by_op) == 2, by_op
     assert by_op["_fused_adam_"] >= 1 and by_op["mm"] > 0
     assert r["launches"] == sum(by_op.values())
     assert r["host_syncs"] == sum(r["syncs_by_reason"].values()) > 0
@@ -370,3 +374,16 @@ def test_launch_counter_counts_the_cuda_path_of_one_update(monkeypatch):
     uncopied = launches.trace("tiny", sentences=3, length=5, vocab=500)["launches"]
     feed_forwards = cfg.encoder_layers + cfg.decoder_layers
     assert uncopied - r["launches"] == 3 * (norms - 2) + 2 + feed_forwards
+
+
+def test_multi_tensor_launches_follow_atens_limits():
+    """multi_tensor_apply's limits: tensors per launch by the number of lists, 320 blocks of
+    65,536 elements, a tensor split across launches when its chunks do not fit."""
+    count = launches.multi_tensor_launches
+    meta = lambda n: torch.empty(n, device="meta")  # noqa: E731
+    assert count([[meta(1)] * 110]) == 1 and count([[meta(1)] * 111]) == 2
+    assert count([[meta(1)] * 64] * 2) == 1 and count([[meta(1)] * 65] * 2) == 2
+    assert count([[meta(1)] * 36] * 4) == 1 and count([[meta(1)] * 37] * 4) == 2
+    assert count([[meta(65536 * 320)]]) == 1 and count([[meta(65536 * 320 + 1)]]) == 2
+    assert count([[meta(65536 * 200), meta(65536 * 200)]]) == 2
+    assert count([[meta(0), meta(0)]]) == 0
