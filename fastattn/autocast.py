@@ -2,9 +2,10 @@
 bias to the autocast dtype (one kernel each, per forward) and its backward casts their
 gradients back (one more each): on a GPU, half of a base model's ~1,000 launches per training
 micro-batch (benchmarks/launches.py). batched_weight_casts makes the same copies with one
-multi-tensor copy per group of modules (a layer), forward and backward, so that each group's
-gradients still arrive as soon as its backward is done (DistributedDataParallel overlaps its
-all-reduce with the rest). The values are autocast's: the same rounding either way.
+multi-tensor copy per group of modules, forward and backward: the whole model on one process,
+a layer under DistributedDataParallel, so that each layer's gradients still arrive as soon as
+its backward is done (DDP overlaps their all-reduce with the rest;
+Transformer.weight_cast_groups). The values are autocast's: the same rounding either way.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ def batched_weight_casts(groups: Sequence[nn.Module | Sequence[nn.Module]], devi
     shadowed: list[tuple[nn.Module, str]] = []
     try:
         for group in groups:
-            modules = group.modules() if isinstance(group, nn.Module) else (
-                m for module in group for m in module.modules())
+            modules = group.modules() if isinstance(group, nn.Module) else dict.fromkeys(
+                m for module in group for m in module.modules())  # each module once
             slots = [(linear, name) for linear in modules if isinstance(linear, nn.Linear)
                      for name in ("weight", "bias")
                      if getattr(linear, name) is not None and name not in linear.__dict__

@@ -565,12 +565,20 @@ class Transformer(nn.Module):
         """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model) as a Stream (its
         .input for the output projection): encode, then decode, with autocast's weight casts
         batched per layer (fastattn.autocast)."""
-        # The memory's projections are one group: on a GPU they are one product, whose
-        # gradients come at the end of the decoder's backward; the layers' own come per layer.
-        memory_kv = [layer.cross_attention.kv for layer in self.decoder.layers]
-        with batched_weight_casts([memory_kv, *self.encoder.layers, *self.decoder.layers],
-                                  src.device.type):
+        with batched_weight_casts(self.weight_cast_groups(), src.device.type):
             return self.decode(tgt_in, *self.encode(src))
+
+    def weight_cast_groups(self) -> list[list[nn.Module]]:
+        """The groups whose weights autocast casts together (fastattn.autocast). Under
+        torch.distributed one per layer, so that a layer's gradients are ready as soon as its
+        backward ends (DistributedDataParallel all-reduces them while the rest runs), and the
+        memory projections' first, as one: on a GPU they are one product, whose gradients come
+        at the end of the decoder's backward. Otherwise one group, the fewest launches."""
+        memory_kv = [layer.cross_attention.kv for layer in self.decoder.layers]
+        groups = [memory_kv, *([layer] for layer in (*self.encoder.layers, *self.decoder.layers))]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            return groups
+        return [[module for group in groups for module in group]]
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, cfg.output_size) for the next tokens."""

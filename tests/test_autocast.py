@@ -49,18 +49,23 @@ def test_batched_casts_give_autocasts_loss_and_gradients_bit_for_bit(rdrop, monk
     monkeypatch.setattr(fastattn.autocast._CastAll, "apply",
                         lambda *a: calls.append(len(a) - 1) or apply(*a))
     batched, batched_grads = loss_and_grads(model, rdrop)
-    # One cast for the decoder's memory projections (a weight and a bias per decoder layer),
-    # then one per layer of its linear maps' weights and biases: 4 maps per encoder layer, 7 per
-    # decoder layer but for the memory projection, cast already.
+    # One cast on one process: every linear map's weight and bias, 4 maps per encoder layer and
+    # 7 per decoder layer; under torch.distributed the memory projections first, then per layer.
+    assert calls == [4 * 2 * 2 + 7 * 2 * 2]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    calls.clear()
+    per_layer, per_layer_grads = loss_and_grads(model, rdrop)
     assert calls == [4, 8, 8, 12, 12]
+    monkeypatch.undo()
     monkeypatch.setattr(fastattn.model, "batched_weight_casts",
                         lambda *a: contextlib.nullcontext())
     plain, plain_grads = loss_and_grads(model, rdrop)
-    assert torch.equal(batched, plain)
-    assert batched_grads.keys() == plain_grads.keys()
+    assert torch.equal(batched, plain) and torch.equal(per_layer, plain)
+    assert batched_grads.keys() == plain_grads.keys() == per_layer_grads.keys()
     for name, grad in batched_grads.items():
         assert grad.dtype == torch.float32, name
         assert torch.equal(grad, plain_grads[name]), name
+        assert torch.equal(per_layer_grads[name], plain_grads[name]), name
 
 
 # Triton's interpreter rounds float32 to bfloat16 toward zero (a GPU, like y.to(), to nearest
@@ -124,3 +129,24 @@ def test_without_autocast_nothing_changes():
     with torch.autocast("cpu", torch.bfloat16, enabled=False), batched_weight_casts([layer],
                                                                                      "cpu"):
         assert layer.weight.dtype == torch.float32
+
+
+def test_weights_cast_per_layer_under_torch_distributed_else_at_once(monkeypatch):
+    """One group (the fewest launches) on one process; under torch.distributed the memory
+    projections' group first, then one per layer, each module in exactly one group."""
+    model = Transformer(TINY)
+    layers = [*model.encoder.layers, *model.decoder.layers]
+    [whole] = model.weight_cast_groups()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    memory_kv, *per_layer = model.weight_cast_groups()
+    assert memory_kv == [layer.cross_attention.kv for layer in model.decoder.layers]
+    assert per_layer == [[layer] for layer in layers]
+    assert whole == memory_kv + layers
+
+
+def test_a_module_in_a_group_twice_is_cast_once():
+    layer = nn.Linear(4, 5)
+    with torch.autocast("cpu", torch.bfloat16), batched_weight_casts([[layer, layer]], "cpu"):
+        assert layer.weight.dtype == torch.bfloat16
+        layer(torch.randn(2, 4)).float().sum().backward()
+    assert layer.weight.grad.dtype == torch.float32

@@ -76,7 +76,10 @@ def train_step(
     if scaler is not None:
         scaler.unscale_(optimizer)
     params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm if clip_norm > 0 else math.inf)
+    if clip_norm > 0:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_norm)
+    else:  # the norm alone (clip_grad_norm_ would still scale every gradient by 1)
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     # The update's one host read (a GPU's only sync outside DDP), before the optimiser's step.
     loss_sum, nll_sum, grad_norm = torch.cat([sums, grad_norm.double().reshape(1)]).tolist()
     ok = math.isfinite(grad_norm) and math.isfinite(loss_sum)
