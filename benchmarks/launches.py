@@ -16,6 +16,8 @@ What counts, per op call:
   kernel, the usual case; multi-tensor ops count the launches ATen's multi_tensor_apply makes,
   by its limits of tensors per launch and 65,536-element chunks, `multi_tensor_launches`), and
   every Triton kernel launched;
+- per phase: the micro-batch (forward and backward; what accumulation repeats) and the update's
+  end (the gradient norm, the optimiser, train_step's read of its results);
 - a host sync: reading a device value on the host (Tensor.item(), .tolist(), float(tensor), a
   copy to the CPU) and the ops whose output size depends on the data (nonzero, boolean
   indexing, masked_select, unique), which wait for the device to know it;
@@ -26,9 +28,11 @@ What counts, per op call:
 Autocast: meta tensors have no autocast of their own, so the mode applies CUDA autocast's rule
 for the ops the model calls (the matrix products in bf16; autocast's cast cache keeps one bf16
 copy of each weight per forward), counting each cast as the _to_copy launch it is on a GPU.
+F.dropout runs as CUDA runs it, one fused native_dropout (meta would decompose it into three).
 Limits: DistributedDataParallel's all-reduces are not traced (one GPU); the kernels a cuBLAS
-matrix product launches count as one; eager dispatch costs (5-10 us per launch) are the reason
-the count matters, and the CUDA time itself is gpu_check's to measure.
+matrix product launches count as one, and so do those of embedding_dense_backward (on CUDA, past
+3,072 indices, a sort and a segmented sum: several kernels); eager dispatch costs (5-10 us per
+launch) are the reason the count matters, and the CUDA time itself is gpu_check's to measure.
 """
 
 from __future__ import annotations
@@ -83,15 +87,31 @@ MULTI_TENSOR_MAX_BLOCKS = 320
 MULTI_TENSOR_CHUNK = 65536
 
 
+PHASES = ("micro-batch", "update")
+
+
 @dataclass
 class Counts:
     launches: Counter = field(default_factory=Counter)  # op name -> launches
     syncs: Counter = field(default_factory=Counter)  # "reason at file:line" -> count
     copied: Counter = field(default_factory=Counter)  # op name -> bytes written
     h2d: int = 0
+    # The micro-batch (forward and backward) until its backward returns, then the update's end
+    # (gradient norm, optimiser, the read of the results): launches and syncs per phase.
+    phase: str = "micro-batch"
+    phase_launches: Counter = field(default_factory=Counter)
+    phase_syncs: Counter = field(default_factory=Counter)
 
     def total(self) -> int:
         return sum(self.launches.values())
+
+    def launch(self, name: str, n: int = 1) -> None:
+        self.launches[name] += n
+        self.phase_launches[self.phase] += n
+
+    def sync(self, reason: str) -> None:
+        self.syncs[reason] += 1
+        self.phase_syncs[self.phase] += 1
 
 
 def _bytes(x) -> int:
@@ -160,22 +180,21 @@ class CudaPathCounter(TorchDispatchMode):
                 with self:
                     return impl(*args, **kwargs)
         if func in SYNCS and any(t.device.type == "meta" for t in _tensors(list(args))):
-            self.counts.syncs[f"{SYNCS[func]} at {_caller()}"] += 1
+            self.counts.sync(f"{SYNCS[func]} at {_caller()}")
             if func is aten._local_scalar_dense.default:  # the copy of one value
                 x = args[0]
                 return x.numel() if not x.dtype.is_floating_point else 1.0
-            self.counts.launches[name] += 1
+            self.counts.launch(name)
             return _data_dependent(func, args)
         if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default) and any(
                 t.dtype in (torch.bool, torch.uint8) for t in _tensors(list(args[1]))):
-            self.counts.syncs[f"boolean indexing (output size depends on the data) at "
-                              f"{_caller()}"] += 1
+            self.counts.sync(f"boolean indexing (output size depends on the data) at {_caller()}")
         if func is aten._to_copy.default:
             source = args[0].device.type
             target = kwargs.get("device")
             target = source if target is None else torch.device(target).type
             if source == "meta" and target == "cpu":  # .tolist(), .cpu(): the host waits
-                self.counts.syncs[f"copy to the host (.tolist(), .cpu()) at {_caller()}"] += 1
+                self.counts.sync(f"copy to the host (.tolist(), .cpu()) at {_caller()}")
                 return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
             if source == "cpu" and target == "meta":
                 self.counts.h2d += 1
@@ -191,9 +210,9 @@ class CudaPathCounter(TorchDispatchMode):
                      if isinstance(a, (list, tuple)) and a and arg.name != "state_steps"]
             # _foreach_norm reduces each tensor's partial norms in a second kernel
             cleanup = func is aten._foreach_norm.Scalar
-            self.counts.launches[name] += multi_tensor_launches(lists) + cleanup
+            self.counts.launch(name, multi_tensor_launches(lists) + cleanup)
         else:
-            self.counts.launches[name] += 1
+            self.counts.launch(name)
         if func in COPIES:
             self.counts.copied[name] += _bytes(args[0] if func in IN_PLACE_COPIES else out)
         return out
@@ -275,8 +294,18 @@ def cuda_dispatch(counts: Counts, sm: tuple[int, int] = (9, 0), sms: int = 132):
     torch.get_autocast_dtype = lambda t: torch.bfloat16 if t == "meta" else real_dtype(t)
 
     def run(self, *args, grid, warmup, **kwargs):
-        counts.launches[f"triton {self.fn.__name__}"] += 1
+        counts.launch(f"triton {self.fn.__name__}")
 
+    real_dropout = F.dropout
+
+    def dropout(x, p=0.5, training=True, inplace=False):
+        # ATen's dropout is one fused kernel on CUDA (native_dropout, is_fused_kernel_acceptable);
+        # on meta it decomposes into bernoulli_, div_ and mul.
+        if x.device.type == "meta" and training and 0 < p < 1 and x.numel() > 0 and not inplace:
+            return torch.native_dropout(x, p, True)[0]
+        return real_dropout(x, p, training, inplace)
+
+    F.dropout = dropout
     backend._triton_on = lambda device_type: "triton" if device_type == "meta" else on(device_type)
     triton.runtime.jit.JITFunction.run = run
     torch.cuda.get_device_capability = lambda device=None: sm
@@ -297,6 +326,7 @@ def cuda_dispatch(counts: Counts, sm: tuple[int, int] = (9, 0), sms: int = 132):
         for name, value in zip(names, saved[4:], strict=True):
             setattr(torch, name, value)
         fx_config.meta_nonzero_assume_all_nonzero = saved_nonzero
+        F.dropout = real_dropout
         foreach._get_foreach_kernels_supported_devices = saved_foreach
 
 
@@ -323,7 +353,8 @@ class MetaAdam:
 
 def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
     """The counts of one update (one micro-batch of `sentences` pairs of `length` source and
-    target tokens) of `preset` on the CUDA path, split into the forward+backward and the rest."""
+    target tokens) of `preset` on the CUDA path, in all and by phase: the micro-batch (its forward
+    and backward) and the update's end (gradient norm, optimiser, the read of the results)."""
     if backend.interpreter_active():
         raise RuntimeError("the launch count needs Triton's compiled launch path: unset "
                            "TRITON_INTERPRET")
@@ -338,12 +369,26 @@ def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
     batch = (source, target[:, :-1], target[:, 1:])  # on the CPU, as the trainer's batches are
     optimizer = MetaAdam(list(model.parameters()))
     arrival_counter(torch.device("meta"))  # made once per process (its zeros), not per step
-    with cuda_dispatch(counts), CudaPathCounter(counts):
-        train_step(loss_module, optimizer, [batch], autocast_dtype=torch.bfloat16)
+    # The phase turns to the update's end when the micro-batch's backward returns.
+    loss_module.register_forward_pre_hook(lambda *_: setattr(counts, "phase", "micro-batch"))
+    real_backward = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        real_backward(self, *args, **kwargs)
+        counts.phase = "update"
+
+    torch.Tensor.backward = backward
+    try:
+        with cuda_dispatch(counts), CudaPathCounter(counts):
+            train_step(loss_module, optimizer, [batch], autocast_dtype=torch.bfloat16)
+    finally:
+        torch.Tensor.backward = real_backward
     return {
         "preset": preset, "sentences": sentences, "length": length, "vocab": vocab,
         "parameters": sum(p.numel() for p in model.parameters()),
         "launches": counts.total(), "host_syncs": sum(counts.syncs.values()),
+        "launches_by_phase": dict(counts.phase_launches),
+        "host_syncs_by_phase": {phase: counts.phase_syncs[phase] for phase in PHASES},
         "bytes_copied": sum(counts.copied.values()), "host_to_device_copies": counts.h2d,
         "launches_by_op": dict(counts.launches.most_common()),
         "syncs_by_reason": dict(counts.syncs.most_common()),
@@ -352,13 +397,16 @@ def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| preset | tokens (src + tgt) | launches | host syncs | bytes copied | "
-             "host-to-device copies |", "|---|---|---|---|---|---|"]
+    lines = ["| preset | tokens (src + tgt) | launches | of which the micro-batch | host syncs "
+             "(micro-batch + update) | bytes copied | host-to-device copies |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         tokens = r["sentences"] * r["length"]
+        syncs = r["host_syncs_by_phase"]
         lines.append(f"| {r['preset']} | {tokens:,} + {tokens:,} | {r['launches']:,} | "
-                     f"{r['host_syncs']} | {r['bytes_copied'] / 1e9:.2f} GB | "
-                     f"{r['host_to_device_copies']} |")
+                     f"{r['launches_by_phase'].get('micro-batch', 0):,} | "
+                     f"{syncs['micro-batch']} + {syncs['update']} | "
+                     f"{r['bytes_copied'] / 1e9:.2f} GB | {r['host_to_device_copies']} |")
     for r in results:
         lines += ["", f"{r['preset']}: launches by op", ""]
         lines += [f"- {op}: {n}" for op, n in r["launches_by_op"].items()]

@@ -47,6 +47,8 @@ def train_step(
     decoder target) to its summed label-smoothed loss and NLL (LossModule, maybe in DDP). Under DDP
     the gradients are averaged over ranks; the loss is scaled so that the result is the gradient
     of the loss summed over every rank's batches divided by their total target tokens."""
+    if not batches:
+        raise ValueError("train_step: no micro-batches to train on")
     device = next(model.parameters()).device
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if distributed else 1
@@ -59,7 +61,7 @@ def train_step(
         total_tokens = int(counts.item())
     normaliser = total_tokens / world  # DDP averages over ranks: undo that with the world size
 
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss, nll
+    sums = None  # loss, nll (float64)
     for i, (batch, tokens) in enumerate(zip(batches, batch_tokens, strict=True)):
         batch = tuple(t.to(device, non_blocking=True) for t in batch)
         last = i == len(batches) - 1
@@ -69,7 +71,8 @@ def train_step(
                 loss, nll = model(*batch, tokens=tokens)
             scaled = loss / normaliser
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
-        sums += torch.stack([loss.detach(), nll.detach()]).double()
+        part = torch.stack([loss.detach(), nll.detach()]).double()
+        sums = part if sums is None else sums + part  # no zeros launched for the first
 
     if distributed:
         dist.all_reduce(sums)
