@@ -25,7 +25,7 @@ from fastattn._native import native
 BACKENDS = ("auto", "triton", "torch")
 IMPLEMENTATIONS = ("triton", "triton-interpreter", "fastattn._C", "torch")
 OPS = ("attention", "dropout", "layer_norm_residual", "label_smoothed_cross_entropy",
-       "linear_cross_entropy")
+       "linear_cross_entropy", "relu_backward_bias", "embedding")
 TRITON_RANGE = ((3, 2), (3, 10))  # supported: >= 3.2, < 3.10
 TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The widest attention head the Triton kernels cover (kernels/attention.py's MAX_HEAD_DIM, which
@@ -176,7 +176,9 @@ def implementation(op: str, device: torch.device | str, dtype: torch.dtype,
       are not all fp32 but every tensor is fp32/bf16/fp16 (run on fp32 copies); else PyTorch.
     - label_smoothed_cross_entropy: PyTorch.
     - linear_cross_entropy: fastattn._C's chunk gradient on CPU fp32/bf16 with a gradient, else
-      PyTorch."""
+      PyTorch.
+    - relu_backward_bias: PyTorch.
+    - embedding: PyTorch."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}: expected one of {OPS}")
     device_type = torch.device(device).type

@@ -23,6 +23,8 @@ from fastattn import decoding, ops
 from fastattn.autocast import batched_weight_casts
 from fastattn.decoding import DecodingState
 from fastattn.modules import ResidualLayerNorm
+from fastattn.ops.attention import attention_packed
+from fastattn.ops.embedding import embedding as fused_embedding
 from fastattn.rdrop import linear_rdrop_loss
 from fastattn.search import BeamSearchSetup, Hypothesis, LengthPenalty, beam_search
 from fastattn.tokens import (
@@ -186,8 +188,22 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
         """tokens (B, L) -> (B, L, d_model), the first token at position `start`."""
-        x = F.embedding(tokens, self.weight) * self.scale + self.positions(start, tokens.shape[1])
-        return ops.dropout(x, self.dropout, self.training)
+        return self.stream(tokens, start, copy=False).x
+
+    def stream(self, tokens: Tensor, start: int = 0, copy: bool = True) -> Stream:
+        """forward(tokens, start) as the residual stream a stack starts from. Outside
+        PER_OP_DEVICES, with sinusoids, one fused op (fastattn.ops.embedding: one launch forward,
+        two backward), which with `copy` under autocast also writes the stream's copy for the
+        first layer's products (Stream); learned positions keep the ops one by one, which give
+        them their gradient."""
+        positions = self.positions(start, tokens.shape[1])
+        if tokens.device.type in PER_OP_DEVICES or hasattr(self, "learned_positions"):
+            x = F.embedding(tokens, self.weight) * self.scale + positions
+            return Stream(ops.dropout(x, self.dropout, self.training))
+        dtype = autocast_copy_dtype(self.weight) if copy else None
+        out = fused_embedding(tokens, self.weight, positions, self.scale,
+                              self.dropout if self.training else 0.0, copy_dtype=dtype)
+        return Stream(*out) if dtype is not None else Stream(out)
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -210,6 +226,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     width = max(d_k, d_v)
     q, k, v = (F.pad(x, (0, width - x.shape[-1])) for x in (q, k, v))
     return ops.attention(q, k, v, scale=d_k**-0.5, **kwargs)[..., :d_v]
+
+
+def packed_attention_applies(x: Tensor, widths: Sequence[int]) -> bool:
+    """Whether a sub-layer's attention on x runs as ops.attention.attention_packed on its
+    projection outputs, whose columns are `widths` wide (h·d_k for queries and keys, h·d_v for
+    values): outside PER_OP_DEVICES (its backward writes the gradients of q, k and v into one
+    buffer, sparing a concatenation per sub-layer: a launch on a GPU; a CPU keeps the ops one by
+    one) where d_k = d_v (no padding). attention_packed itself takes the separate views' path
+    where the PyTorch implementation runs."""
+    return x.device.type not in PER_OP_DEVICES and len(set(widths)) == 1
 
 
 def attention_probabilities(q: Tensor, k: Tensor, mask: Tensor | None = None,
@@ -240,10 +266,15 @@ class SelfAttention(nn.Module):
                 ) -> tuple[Tensor, Tensor | None]:
         """x (B, L, d_model), mask (B, 1, 1, L) bool True = attend -> (B, L, d_model) and the
         output bias left to the LayerNorm (output_projection)."""
-        q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
+        qkv = self.qkv(x)
         dropout_p = self.dropout if self.training else 0.0
-        return output_projection(self.out, merge_heads(attention(
-            q, k, v, attn_mask=mask, causal=causal, dropout_p=dropout_p)), self.fold_bias)
+        if packed_attention_applies(x, self.split):
+            out = attention_packed(qkv, heads=self.heads, attn_mask=mask, causal=causal,
+                                   dropout_p=dropout_p)
+        else:
+            q, k, v = (split_heads(t, self.heads) for t in qkv.split(self.split, dim=-1))
+            out = attention(q, k, v, attn_mask=mask, causal=causal, dropout_p=dropout_p)
+        return output_projection(self.out, merge_heads(out), self.fold_bias)
 
     def weights(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """softmax(Q K^T / √d_k) of forward(x, mask, causal) explicitly: (B, h, L, L)."""
@@ -277,32 +308,32 @@ class CrossAttention(nn.Module):
         self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
         self.fold_bias = not cfg.pre_norm
 
-    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """memory (B, S, d_model) -> keys (B, h, S, d_k) and values (B, h, S, d_v), views into
-        one projection."""
-        return self.split_kv(self.kv(memory))
-
     def split_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:
-        """The kv projection's output (B, S, h·(d_k + d_v)) -> keys and values, as views."""
+        """The kv projection's output (B, S, h·(d_k + d_v)) -> keys (B, h, S, d_k) and values
+        (B, h, S, d_v), as views."""
         k, v = kv.split(self.split, dim=-1)
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
-    def forward(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], memory_mask: Tensor | None
+    def forward(self, x: Tensor, memory_kv: Tensor, memory_mask: Tensor | None
                 ) -> tuple[Tensor, Tensor | None]:
-        """x (B, T, d_model), memory_kv the memory's keys and values (Transformer.memory_kv), mask
-        (B, 1, 1, S) -> (B, T, d_model) and the output bias left to the LayerNorm."""
-        k, v = memory_kv
+        """x (B, T, d_model), memory_kv the kv projection of the memory (B, S, h·(d_k + d_v)),
+        keys then values (Transformer.memory_projections), mask (B, 1, 1, S) -> (B, T, d_model)
+        and the output bias left to the LayerNorm."""
         dropout_p = self.dropout if self.training else 0.0
-        q = split_heads(self.q(x), self.heads)
-        return output_projection(self.out, merge_heads(attention(
-            q, k, v, attn_mask=memory_mask, dropout_p=dropout_p)), self.fold_bias)
+        q = self.q(x)
+        if packed_attention_applies(x, self.split):
+            out = attention_packed(q, memory_kv, heads=self.heads, attn_mask=memory_mask,
+                                   dropout_p=dropout_p)
+        else:
+            out = attention(split_heads(q, self.heads), *self.split_kv(memory_kv),
+                            attn_mask=memory_mask, dropout_p=dropout_p)
+        return output_projection(self.out, merge_heads(out), self.fold_bias)
 
-    def weights(self, x: Tensor, memory_kv: tuple[Tensor, Tensor], memory_mask: Tensor | None
-                ) -> Tensor:
+    def weights(self, x: Tensor, memory_kv: Tensor, memory_mask: Tensor | None) -> Tensor:
         """softmax(Q K^T / √d_k) of forward(x, memory_kv, memory_mask) explicitly:
         (B, h, T, S)."""
-        return attention_probabilities(split_heads(self.q(x), self.heads), memory_kv[0],
-                                       memory_mask)
+        return attention_probabilities(split_heads(self.q(x), self.heads),
+                                       self.split_kv(memory_kv)[0], memory_mask)
 
     def step(self, x: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sentences: Tensor | None,
              ) -> tuple[Tensor, Tensor | None]:
@@ -356,9 +387,13 @@ class _LinearReLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        from fastattn.ops.relu import relu_backward_bias  # internal: not in fastattn.ops
+
         x, weight, h = ctx.saved_tensors
-        grad = torch.ops.aten.threshold_backward(grad, h, 0)  # F.relu's own backward
-        return grad @ weight, grad.t() @ x, grad.sum(0)
+        # F.relu's own backward and the bias gradient in one launch; the bias has weight's
+        # dtype (FeedForward takes this form only then).
+        grad, bias_grad = relu_backward_bias(grad, h, weight.dtype)
+        return grad @ weight, grad.t() @ x, bias_grad
 
 
 class Stream(NamedTuple):
@@ -379,7 +414,8 @@ class Stream(NamedTuple):
 # Devices that run the model op by op, without the forms that spare GPU launches (LayerNorm's
 # copy of its output, one product for every decoder layer's memory keys and values, the
 # feed-forward's ReLU inside its first product, a sub-layer's output bias added and its gradient
-# summed by the LayerNorm kernels): on a CPU a launch costs nothing, the copies
+# summed by the LayerNorm kernels, attention's q, k and v gradients written into one buffer per
+# projection, packed_attention_applies): on a CPU a launch costs nothing, the copies
 # measured no faster (python -m scripts.measure_cast_savings), and the ops one by one keep the
 # recorded runs' numbers (tests/test_recorded_run.py).
 PER_OP_DEVICES = ("cpu",)
@@ -457,8 +493,7 @@ class DecoderLayer(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.feed_forward_norm = AddNorm(cfg)
 
-    def forward(self, x: Stream, memory_kv: tuple[Tensor, Tensor], memory_mask: Tensor
-                ) -> Stream:
+    def forward(self, x: Stream, memory_kv: Tensor, memory_mask: Tensor) -> Stream:
         # Causal: position i sees positions <= i only (3.2.3). Target padding sits at the end,
         # so no real position ever sees it.
         x = self.self_attention_norm(x, lambda h: self.self_attention(h, causal=True))
@@ -485,10 +520,10 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList(layer(cfg) for _ in range(n))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else None
 
-    def forward(self, x: Tensor, *args, per_layer: Sequence = ()) -> Stream:
+    def forward(self, x: Tensor | Stream, *args, per_layer: Sequence = ()) -> Stream:
         """x (B, L, d_model) -> the last layer's output; layer i is called with per_layer[i]
         (if given), then args."""
-        stream = Stream(x)
+        stream = x if isinstance(x, Stream) else Stream(x)
         for i, layer in enumerate(self.layers):
             stream = layer(stream, *((per_layer[i],) if per_layer else ()), *args)
         return stream if self.final_norm is None else Stream(self.final_norm(stream.x))
@@ -542,24 +577,32 @@ class Transformer(nn.Module):
         mask = self.padding_mask(src)
         # The six memory projections read the float32 memory, so that their gradients sum in
         # float32 (its copy under autocast goes unused).
-        return self.encoder(self.embedding(src), mask).x, mask
+        return self.encoder(self.embedding.stream(src, copy=not self.cfg.pre_norm), mask).x, mask
 
     def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Stream:
         """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model) as a Stream."""
         check_tokens("tgt_in", tgt_in, self.cfg.vocab_size)
-        return self.decoder(self.embedding(tgt_in), memory_mask, per_layer=self.memory_kv(memory))
+        x = self.embedding.stream(tgt_in, copy=not self.cfg.pre_norm)
+        return self.decoder(x, memory_mask, per_layer=self.memory_projections(memory))
 
-    def memory_kv(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Every decoder layer's cross-attention keys and values of memory (B, S, d_model): one
-        product with the layers' kv weights side by side, whose backward sums the memory's
-        gradient inside the product (on PER_OP_DEVICES one product per layer, as before)."""
+    def memory_projections(self, memory: Tensor) -> list[Tensor]:
+        """Every decoder layer's cross-attention kv projection of memory (B, S, d_model),
+        (B, S, h·(d_k + d_v)), keys then values: one product with the layers' kv weights side by
+        side, whose backward sums the memory's gradient inside the product (on PER_OP_DEVICES
+        one product per layer, as before)."""
         attentions = [layer.cross_attention for layer in self.decoder.layers]
         if memory.device.type in PER_OP_DEVICES or len(attentions) < 2:
-            return [a.memory_kv(memory) for a in attentions]
+            return [a.kv(memory) for a in attentions]
         weights = torch.cat([a.kv.weight for a in attentions])
         biases = torch.cat([a.kv.bias for a in attentions])
-        kv = F.linear(memory, weights, biases).split([a.kv.out_features for a in attentions], -1)
-        return [a.split_kv(part) for a, part in zip(attentions, kv, strict=True)]
+        return list(F.linear(memory, weights, biases).split(
+            [a.kv.out_features for a in attentions], -1))
+
+    def memory_kv(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Every decoder layer's cross-attention keys (B, h, S, d_k) and values (B, h, S, d_v) of
+        memory (B, S, d_model): views into memory_projections."""
+        return [layer.cross_attention.split_kv(kv) for layer, kv in
+                zip(self.decoder.layers, self.memory_projections(memory), strict=True)]
 
     def hidden(self, src: Tensor, tgt_in: Tensor) -> Stream:
         """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model) as a Stream (its

@@ -15,6 +15,9 @@ PyTorch paths, the reference) is fastattn.ops.attention.
 - A query row that may attend to no key returns zeros and passes zero gradients.
 - Q, K, V are read with their strides; O, dQ, dK, dV are written (and dO read) as (B, L, H, D)
   in memory, the projections' layout, so heads split and merge as views (heads_last_empty).
+  dQ, dK, dV may also be columns of one wider buffer (B, L, n·H·D), the gradient of a fused
+  projection (q, k, v side by side), which then needs no concatenation: the launcher passes
+  their rows' width in heads (n·H).
 
 Sections, top to bottom: the Triton kernels, their block-size table, the launchers.
 """
@@ -47,9 +50,20 @@ def _block_and_head(blocks_per_head):
 
 
 @triton.jit
+def _unsigned_batch_and_head(bh, H):
+    """(batch, head) of bh as 64-bit values known to be non-negative (zero-extended), for the
+    backward passes' stores after their loops: with a sign extension the compiler kept b's high
+    word live through the loop, one register more (an 8-byte spill of the dK/dV pass at d = 64
+    on sm_80, compile report)."""
+    return (bh // H).to(tl.uint32).to(tl.int64), (bh % H).to(tl.uint32).to(tl.int64)
+
+
+@triton.jit
 def _heads_last(b, h, rows, L, H, HEAD_DIM: tl.constexpr):
     """Offsets of `rows` of (batch b, head h) in a contiguous (B, L, H, HEAD_DIM) tensor, the
-    layout of every result (and of dOut): its heads merge to (B, L, H·HEAD_DIM) as a view."""
+    layout of every result (and of dOut): its heads merge to (B, L, H·HEAD_DIM) as a view. With
+    H the heads of a row of a wider contiguous (B, L, H', HEAD_DIM) (dQ, dK, dV's *_row_heads),
+    the offsets within it of a tensor starting at one of its columns (a packed gradient's)."""
     return (b * L * H + h) * HEAD_DIM + rows.to(tl.int64) * (H * HEAD_DIM)
 
 
@@ -223,7 +237,7 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
                    H, Lq, Lk, causal_shift, qk_scale, sm_scale, dropout_p, philox_seed,
-                   philox_offset, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   philox_offset, dk_row_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                    KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
@@ -235,7 +249,8 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
     where Z = keep / (1 - p) is the regenerated dropout mask (Z = 1 without dropout).
     Only query tiles on the causal diagonal apply the causal check. The bounds need none: a key
     past Lk (k = v = 0) changes only its own rows of dK and dV, which are not stored, and a
-    query past Lq (q = dO = 0, lse = +inf) has P = 0."""
+    query past Lq (q = dO = 0, lse = +inf) has P = 0. dK and dV are laid out alike: rows of
+    dk_row_heads heads (_heads_last)."""
     pid_n, bh = _block_and_head(tl.cdiv(Lk, BLOCK_N))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
     h = (bh % H).to(tl.int64)
@@ -289,7 +304,8 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
         dv += tl.dot(p_drop_t.to(do.dtype), do, input_precision=DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk += tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), input_precision=DOT_PRECISION)
-    out_ptrs = _heads_last(b, h, offs_n[:, None], Lk, H, HEAD_DIM) + offs_d[None, :]
+    out_ptrs = _heads_last(*_unsigned_batch_and_head(bh, H), offs_n[:, None], Lk, dk_row_heads,
+                           HEAD_DIM) + offs_d[None, :]
     tl.store(dK + out_ptrs, (dk * sm_scale).to(dK.dtype.element_ty), mask=kv_mask)
     tl.store(dV + out_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
 
@@ -299,7 +315,7 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
                  H, Lq, Lk, causal_shift, qk_scale, sm_scale, dropout_p, philox_seed,
-                 philox_offset, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 philox_offset, dq_row_heads, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
                  KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr, DROPOUT: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
@@ -351,7 +367,9 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
-    tl.store(dQ + head_rows, (dq * sm_scale).to(dQ.dtype.element_ty), mask=q_mask)
+    dq_ptrs = dQ + _heads_last(*_unsigned_batch_and_head(bh, H), offs_m[:, None], Lq,
+                               dq_row_heads, HEAD_DIM) + offs_d[None, :]
+    tl.store(dq_ptrs, (dq * sm_scale).to(dQ.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit
@@ -621,6 +639,20 @@ def heads_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.transpose(1, 2).is_contiguous() else heads_last_empty(x).copy_(x)
 
 
+def _row_heads(g: torch.Tensor) -> int:
+    """The width in heads n·H of the rows of the contiguous (B, L, n·H·D) whose columns the
+    (B, H, L, D) gradient g is (H when it is heads-last): its row stride over D. The kernels
+    address it so (_heads_last), with 64-bit offsets, rather than from four strides: the dK/dV
+    pass's registers stay where they were (compile report)."""
+    b, h, length, d = g.shape
+    n_h = g.stride(2) // max(d, 1)
+    if g.stride() != (length * n_h * d, d, n_h * d, 1) or n_h < h:
+        raise ValueError(f"attention_backward: a gradient of shape {tuple(g.shape)} must be "
+                         f"heads-last or columns of a contiguous (B, L, n·H·D), got strides "
+                         f"{g.stride()}")
+    return n_h
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       attn_mask: torch.Tensor | None, rng: torch.Tensor | None, causal: str | None,
                       dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -651,14 +683,23 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        out: torch.Tensor, lse: torch.Tensor, attn_mask: torch.Tensor | None,
                        rng: torch.Tensor | None, causal: str | None, dropout_p: float,
-                       scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), laid out heads-last, for the forward's out (heads-last) and lse."""
+                       scale: float, grads: tuple[torch.Tensor, ...] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for the forward's out (heads-last) and lse: new heads-last tensors, or, given
+    grads, written into those three and returned: each shaped like q, k or v (B, H, L, D) and
+    heads-last or columns of a contiguous (B, L, n·H·D) (_row_heads), dk laid out like dv."""
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     grad_out = heads_last(grad_out)
     b, h, lq, d = q.shape
     lk = k.shape[2]
     delta = torch.empty_like(lse)  # the dQ pass writes it, the dK/dV pass reads it
-    dq, dk, dv = heads_last_empty(q), heads_last_empty(k), heads_last_empty(v)
+    if grads is None:
+        grads = heads_last_empty(q), heads_last_empty(k), heads_last_empty(v)
+    dq, dk, dv = grads
+    if dq.shape != q.shape or dk.shape != k.shape or dv.shape != v.shape or (
+            dk.stride() != dv.stride()):
+        raise ValueError("attention_backward: grads must be shaped like q, k, v, dk laid out "
+                         "like dv")
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
     seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -673,12 +714,13 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                                           **variant)
     _attn_bwd_dq[(triton.cdiv(lq, block_m) * b * h,)](
         q, k, v, mask, heads_last(out), grad_out, lse, delta, dq, *strides, *scalars,
-        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
+        _row_heads(dq), BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=num_warps,
+        num_stages=num_stages)
     block_m, block_n, num_warps, num_stages = launch_tile("_attn_bwd_dkdv", d, q.dtype, _sm(q),
                                                           **variant)
     _attn_bwd_dkdv[(triton.cdiv(lk, block_n) * b * h,)](
-        q, k, v, mask, grad_out, lse, delta, dk, dv, *strides, *scalars, BLOCK_M=block_m,
-        BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
+        q, k, v, mask, grad_out, lse, delta, dk, dv, *strides, *scalars, _row_heads(dk),
+        BLOCK_M=block_m, BLOCK_N=block_n, **flags, num_warps=num_warps, num_stages=num_stages)
     return dq, dk, dv
 
 

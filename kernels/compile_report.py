@@ -49,7 +49,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 
 KERNEL_MODULES = ("fastattn.kernels.attention", "fastattn.kernels.layer_norm",
-                  "fastattn.kernels.cross_entropy")
+                  "fastattn.kernels.cross_entropy", "fastattn.kernels.relu",
+                  "fastattn.kernels.embedding")
 DEFAULT_ARCHS = (80, 90, 70)
 # The representative subset (--subset, CI): per module, the configurations whose name matches;
 # a kernel (@triton.jit function) none of whose configurations match adds its first one, so every
@@ -58,6 +59,8 @@ SUBSET = {
     "fastattn.kernels.attention": r"^\S+ d=(64|128) fp16\b|^_attn_fwd d=64 fp32\b",
     "fastattn.kernels.layer_norm": r"_N(512|1024|2048|4096)$|_wide_",
     "fastattn.kernels.cross_entropy": r"_V(1024|4096)$",
+    "fastattn.kernels.relu": r" (fp16|bf16)$",
+    "fastattn.kernels.embedding": r"_N(512|1024)$",
 }
 
 

@@ -13,7 +13,12 @@ from conftest import INTERPRETED, assert_graded_close
 from fastattn.backend import implementation
 from fastattn.kernels import attention as kernels
 from fastattn.ops import attention
-from fastattn.ops.attention import _attention_forward_op, _dropout_keep_mask, attention_reference
+from fastattn.ops.attention import (
+    _attention_forward_op,
+    _dropout_keep_mask,
+    attention_packed,
+    attention_reference,
+)
 
 LOW_PRECISION = [torch.float16, torch.bfloat16]
 NATIVE = implementation("attention", "cpu", torch.float32, requires_grad=True) == "fastattn._C"
@@ -632,3 +637,108 @@ def test_hopper_dkdv_tile_gives_the_same_gradients(seeded, monkeypatch, causal):
     mask = torch.rand(2, 1, 1, 161) > 0.2
     mask[..., -1] = True
     _check_against_reference(q, k, v, causal=causal, attn_mask=mask, atol=1e-3)
+
+
+def _packed_inputs(form, lq, lk, heads, d, dtype, batch=3):
+    """attention_packed's inputs: a self-attention's fused projection (B, L, 3·H·D), or queries
+    (B, Lq, H·D) and keys and values side by side (B, Lk, 2·H·D)."""
+    if form == "self":
+        return torch.randn(batch, lq, 3 * heads * d, dtype=dtype), None
+    return (torch.randn(batch, lq, heads * d, dtype=dtype),
+            torch.randn(batch, lk, 2 * heads * d, dtype=dtype))
+
+
+def _views(x, kv, heads):
+    """q, k, v as the model made them before attention_packed: split, then heads as a view."""
+    width = x.shape[-1] if kv is not None else x.shape[-1] // 3
+    parts = x.split(width, -1) if kv is None else (x, *kv.split(width, -1))
+    return [t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in parts]
+
+
+def _run_packed(fn, x, kv, grad_out):
+    """fn(x, kv), and the gradients of <out, grad_out> with respect to x (and kv)."""
+    x = x.detach().requires_grad_()
+    kv = None if kv is None else kv.detach().requires_grad_()
+    out = fn(x, kv)
+    inputs = (x,) if kv is None else (x, kv)
+    return (out, *torch.autograd.grad(out, inputs, grad_out))
+
+
+@pytest.mark.parametrize("form,lq,lk", [("self", 17, 17), ("cross", 17, 9), ("cross", 5, 17)])
+@pytest.mark.parametrize("causal,masked", [(True, False), (False, True), (True, True)])
+def test_packed_gradients_equal_the_views(seeded, form, lq, lk, causal, masked):
+    """attention_packed: the op on views of the packed projection outputs, its backward writing
+    dq, dk, dv into one gradient per packed input (no concatenation), gives the values and the
+    gradients of attention() on the split views, bit for bit (the same kernels), and matches the
+    fp64 reference: odd lengths (17, 9, 5), B = 3, key padding, causal, grad_output != 1."""
+    heads, d = 2, 40
+    x, kv = _packed_inputs(form, lq, lk, heads, d, torch.float32)
+    mask = None
+    if masked:  # key padding, a row of every length
+        lengths = torch.tensor([lk, lk - 4, 1])
+        mask = (torch.arange(lk) < lengths[:, None])[:, None, None, :]
+    kwargs = dict(causal=causal, attn_mask=mask)
+    grad_out = torch.randn(3, heads, lq, d)
+
+    def packed(x, kv):
+        out = attention_packed(x, kv, heads=heads, **kwargs)
+        if IMPL != "torch":  # the packed backward, not split's, runs
+            assert type(out.grad_fn).__name__ == "_PackedAttentionBackward"
+        return out
+
+    ours = _run_packed(packed, x, kv, grad_out)
+    views = _run_packed(lambda x, kv: attention(*_views(x, kv, heads), **kwargs), x, kv,
+                        grad_out)
+    for a, b in zip(ours, views, strict=True):
+        assert torch.equal(a, b)
+
+    def reference(x, kv, dtype=torch.float64):
+        return attention_reference(*(t.to(dtype) for t in _views(x, kv, heads)), **kwargs)
+
+    exact = _run_packed(reference, x.double(), None if kv is None else kv.double(),
+                        grad_out.double())
+    torch_own = _run_packed(lambda x, kv: reference(x, kv, torch.float32), x, kv, grad_out)
+    for name, a, r, b in zip(("out", "dx", "dkv")[:len(ours)], ours, exact, torch_own,
+                             strict=True):
+        assert_graded_close(a, r, b, atol=2e-5, name=name)
+
+
+@pytest.mark.parametrize("form", ["self", "cross"])
+def test_packed_dropout_equals_the_views(form):
+    """With dropout, attention_packed draws the mask attention() draws from the same seed: the
+    same output and gradients, bit for bit."""
+    x, kv = _packed_inputs(form, 17, 9, 2, 16, torch.float32)
+    grad_out = torch.randn(3, 2, 17, 16)
+    results = []
+    for fn in (lambda x, kv: attention_packed(x, kv, heads=2, causal=True, dropout_p=0.3),
+               lambda x, kv: attention(*_views(x, kv, 2), causal=True, dropout_p=0.3)):
+        torch.manual_seed(11)
+        results.append(_run_packed(fn, x, kv, grad_out))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_packed_torch_compile_fullgraph(seeded):
+    """attention_packed traces as one graph, forward and backward (its backward op writing into
+    views of the packed gradient), with dropout drawn inside the graph."""
+    x, kv = _packed_inputs("cross", 17, 9, 2, 16, torch.float32)
+    mask = (torch.arange(9) < torch.tensor([9, 5, 1])[:, None])[:, None, None, :]
+
+    def block(x, kv):
+        return attention_packed(x, kv, heads=2, attn_mask=mask, dropout_p=0.2).square().sum()
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    torch.manual_seed(3)
+    expected = _run_packed(block, x, kv, torch.tensor(1.0))
+    torch.manual_seed(3)
+    got = _run_packed(compiled, x, kv, torch.tensor(1.0))
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("x_shape,kv_shape", [((2, 5, 47), None), ((2, 5, 16), (2, 5, 16)),
+                                              ((2, 5), None)])
+def test_packed_bad_shapes_are_named(x_shape, kv_shape):
+    kv = None if kv_shape is None else torch.randn(kv_shape)
+    with pytest.raises(ValueError, match="attention_packed: for 2 heads"):
+        attention_packed(torch.randn(x_shape), kv, heads=2)

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fastattn.decoding
 import fastattn.model
+from fastattn.backend import implementation
 from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
 
 V, PAD = 23, 0
@@ -572,27 +573,51 @@ def test_token_ids_outside_the_vocabulary_name_the_id_its_place_and_the_size():
     model.decode_step(torch.tensor([1, 22]), state)  # the last id is in
 
 
+# float32 runs the attention op (fastattn._C, or the Triton kernels under the interpreter), so
+# attention_packed's own backward; float64 runs PyTorch's attention, through the views.
+@pytest.mark.parametrize("dtype", [torch.float64, pytest.param(torch.float32,
+                                                               marks=pytest.mark.triton)])
 @pytest.mark.parametrize("cfg", [TINY, VARIANTS["d_k_ne_d_v"], replace(TINY, decoder_layers=3)])
-def test_the_gpu_forms_equal_the_ops_one_by_one(cfg, monkeypatch):
-    """What a GPU runs to spare launches (fastattn.model.PER_OP_DEVICES), forced on the CPU in
-    float64: Transformer.memory_kv, every decoder layer's kv weights side by side in one
-    product, gives the keys and values of one product per layer, and with the feed-forward's
-    ReLU in its first product the loss and the gradients of the ops one by one."""
-    model = make_model(replace(cfg, dropout=0.0)).double().train()
+def test_the_gpu_forms_equal_the_ops_one_by_one(cfg, dtype, monkeypatch):
+    """What a GPU runs to spare launches (fastattn.model.PER_OP_DEVICES), forced on the CPU:
+    Transformer.memory_kv, every decoder layer's kv weights side by side in one product, gives
+    the keys and values of one product per layer, and with the feed-forward's ReLU in its first
+    product and attention on the packed projections (ops.attention.attention_packed, where
+    d_k = d_v: its backward writes q's, k's and v's gradients into one buffer) the loss and the
+    gradients of the ops one by one (float64: to rounding; float32: to float32's)."""
+    model = make_model(replace(cfg, dropout=0.0)).to(dtype).train()
     src, tgt = pad_after(tokens(3, 7), [7, 4, 2]), pad_after(tokens(3, 6, seed=2), [6, 5, 3])
+    packed_backward = []  # the backward each attention_packed call's output leads to
+    real_attention_packed = fastattn.model.attention_packed
+
+    def attention_packed(*args, **kwargs):
+        out = real_attention_packed(*args, **kwargs)
+        packed_backward.append(type(out.grad_fn).__name__)
+        return out
+
+    monkeypatch.setattr(fastattn.model, "attention_packed", attention_packed)
     results = []
     for per_op in (("cpu",), ()):
         monkeypatch.setattr(fastattn.model, "PER_OP_DEVICES", per_op)
         model.zero_grad(set_to_none=True)
         memory, _ = model.encode(src)
         kv = [t for pair in model.memory_kv(memory) for t in pair]
+        packed_backward.clear()
         loss = model.loss(src, tgt[:, :-1], tgt[:, 1:])
         (loss * 2.5).backward()
         results.append((kv, loss, {n: p.grad.clone() for n, p in model.named_parameters()}))
     (kv, loss, grads), (kv_one, loss_one, grads_one) = results
     assert len(kv) == 2 * cfg.decoder_layers
+    packed = cfg.key_dim == cfg.value_dim  # the GPU forms' loss: every sub-layer's attention
+    assert len(packed_backward) == packed * (cfg.encoder_layers + 2 * cfg.decoder_layers)
+    if implementation("attention", "cpu", dtype, requires_grad=True) != "torch":
+        assert all(name == "_PackedAttentionBackward" for name in packed_backward)
+    exact = dtype == torch.float64
+    tolerance = dict(rtol=1e-12, atol=1e-12) if exact else dict(rtol=1e-5, atol=1e-6)
     for a, b in zip(kv, kv_one, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(loss, loss_one, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(a, b, **tolerance)
+    torch.testing.assert_close(loss, loss_one, **tolerance)
+    if exact:
+        tolerance = dict(rtol=1e-10, atol=1e-12)
     for name, grad in grads.items():
-        torch.testing.assert_close(grad, grads_one[name], rtol=1e-10, atol=1e-12, msg=name)
+        torch.testing.assert_close(grad, grads_one[name], msg=name, **tolerance)

@@ -26,8 +26,13 @@ registration is fastattn._C (csrc/attention.cpp: one task per (batch, head), flo
 or the Triton launcher under Triton's interpreter. The implementation is an argument of the op,
 so its fake tensors are laid out as the kernel that will run lays them out.
 
-Sections: the CPU kernels, the torch.library registration with autograd, the PyTorch path, the
-public op, the reference.
+attention_packed takes q, k, v as the columns of projection outputs (a self-attention's fused
+q/k/v projection; a cross-attention's queries, and its keys and values side by side): the
+backward op writes their gradients into one buffer per projection, laid out like it, where
+split's backward would concatenate them (a launch per layer on a GPU).
+
+Sections: the CPU kernels, the torch.library registration with autograd (and attention_packed's
+autograd.Function), the PyTorch path, the public ops, the reference.
 """
 
 from __future__ import annotations
@@ -140,30 +145,43 @@ def _(q, k, v, attn_mask, rng, causal, dropout_p, scale, impl):
     return kernels.heads_last_empty(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("fastattn::attention_backward", mutates_args=(), device_types="cuda")
+# The backward writes into buffers it is given rather than returning new tensors, so that the
+# gradients of q, k, v that are columns of one packed projection output land in one buffer laid
+# out like it (attention_packed): no concatenation, which split's backward would launch.
+@torch.library.custom_op("fastattn::attention_backward", mutates_args=("dq", "dk", "dv"),
+                         device_types="cuda")
 def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
-                           causal: str | None, dropout_p: float, scale: float,
-                           impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return kernels.attention_backward(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
-                                      dropout_p, scale)
+                           causal: str | None, dropout_p: float, scale: float, impl: str,
+                           dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    """Writes the gradients of <out, grad_out> with respect to q, k, v into dq, dk, dv: shaped
+    like q, k, v (B, H, L, D), unit stride over D, dk's strides equal to dv's (heads-last, or
+    columns of one packed buffer)."""
+    kernels.attention_backward(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p,
+                               scale, grads=(dq, dk, dv))
 
 
 @_attention_backward_op.register_kernel("cpu")
-def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl):
-    if impl == "triton-interpreter":
+def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl, dq, dk, dv):
+    if impl == "triton-interpreter" and q.dtype != torch.bfloat16:
+        kernels.attention_backward(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
+                                   dropout_p, scale, grads=(dq, dk, dv))
+        return
+    if impl == "triton-interpreter":  # computed on fp32 copies (_without_bf16)
         grads = kernels.attention_backward(*_without_bf16(grad_out, q, k, v, out), lse,
                                            *_without_bf16(attn_mask), rng, causal, dropout_p,
                                            scale)
-        return tuple(g.to(q.dtype) for g in grads)
-    return _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
-                                      dropout_p, scale)
+    else:  # fastattn._C returns new tensors
+        grads = _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
+                                           dropout_p, scale)
+    for buffer, grad in zip((dq, dk, dv), grads, strict=True):
+        buffer.copy_(grad)
 
 
 @_attention_backward_op.register_fake
-def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl):
-    return tuple(kernels.heads_last_empty(x) for x in (q, k, v))
+def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl, dq, dk, dv):
+    return None
 
 
 def _setup_context(ctx, inputs, output):
@@ -179,12 +197,53 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask, rng = ctx.saved_tensors
-    dq, dk, dv = _attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, rng, ctx.causal,
-                                        ctx.dropout_p, ctx.scale, ctx.impl)
+    if ctx.impl == "fastattn._C":  # its kernels return new tensors: no buffers to copy them into
+        dq, dk, dv = _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng,
+                                                ctx.causal, ctx.dropout_p, ctx.scale)
+    else:
+        dq, dk, dv = (kernels.heads_last_empty(x) for x in (q, k, v))
+        _attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, rng, ctx.causal,
+                               ctx.dropout_p, ctx.scale, ctx.impl, dq, dk, dv)
     return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _unpack(x: torch.Tensor, kv: torch.Tensor | None, heads: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (B, H, L, D) as views of attention_packed's inputs: x's thirds, without kv; else
+    x, and kv's halves."""
+    parts = x.chunk(3, -1) if kv is None else (x, *kv.chunk(2, -1))
+    return tuple(t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in parts)
+
+
+class _PackedAttention(torch.autograd.Function):
+    """The op's forward on views of the packed projection outputs; the backward allocates one
+    gradient per packed input, shaped like it, and has the backward op write dq, dk, dv into its
+    columns (what split's backward would concatenate)."""
+
+    @staticmethod
+    def forward(ctx, x, kv, heads, attn_mask, rng, causal, dropout_p, scale, impl):
+        out, lse = _attention_forward_op(*_unpack(x, kv, heads), attn_mask, rng, causal,
+                                         dropout_p, scale, impl)
+        ctx.save_for_backward(x, kv, out, lse, attn_mask, rng)
+        ctx.heads, ctx.causal, ctx.dropout_p, ctx.scale, ctx.impl = (heads, causal, dropout_p,
+                                                                     scale, impl)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, kv, out, lse, attn_mask, rng = ctx.saved_tensors
+        grad_x = x.new_empty(x.shape)
+        grad_kv = None if kv is None else kv.new_empty(kv.shape)
+        _attention_backward_op(grad_out, *_unpack(x, kv, ctx.heads), out, lse, attn_mask, rng,
+                               ctx.causal, ctx.dropout_p, ctx.scale, ctx.impl,
+                               *_unpack(grad_x, grad_kv, ctx.heads))
+        needs_x, needs_kv = ctx.needs_input_grad[:2]
+        return (grad_x if needs_x else None, grad_kv if needs_kv else None,
+                None, None, None, None, None, None, None)
+
 
 # ---------------------------------------------------------------------------------------------
 # PyTorch path (CPU, or FASTATTN_BACKEND=torch)
@@ -333,6 +392,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ...): the Triton kernels (fp16, bf16, fp32; head dims up to 256, wider ones fall back),
     fastattn._C's CPU kernels (fp32, bf16) or PyTorch.
     """
+    return _attention(q, k, v, causal, attn_mask, dropout_p, scale)
+
+
+def attention_packed(x: torch.Tensor, kv: torch.Tensor | None = None, *, heads: int,
+                     causal: bool | str = False, attn_mask: torch.Tensor | None = None,
+                     dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """attention(q, k, v, ...) (B, H, Lq, D) for heads packed in projection outputs, as
+    x.split(...) and unflatten(-1, (heads, D)).transpose(1, 2) would unpack them: without kv,
+    x is a self-attention's fused projection (B, L, 3·H·D), q, k, v side by side; with kv, x is
+    the queries (B, Lq, H·D) and kv the keys and values (B, Lk, 2·H·D), keys first.
+
+    Same values and gradients as attention() on those views. Where the op runs (not the PyTorch
+    path), the backward writes dq, dk, dv straight into one gradient per packed input, laid out
+    like it (for cross-attention dk and dv share kv's, dq is x's): no concatenation of the
+    three, which the views' backward (split's) would launch."""
+    n = 3 if kv is None else 1
+    if (x.dim() != 3 or heads < 1 or x.shape[-1] % (n * heads)
+            or (kv is not None and (kv.dim() != 3 or kv.shape[-1] != 2 * x.shape[-1]))):
+        raise ValueError(f"attention_packed: for {heads} heads, x must be (B, L, 3·H·D) without "
+                         f"kv, or x (B, Lq, H·D) and kv (B, Lk, 2·H·D); got x {tuple(x.shape)}, "
+                         f"kv {None if kv is None else tuple(kv.shape)}")
+    return _attention(*_unpack(x, kv, heads), causal, attn_mask, dropout_p, scale,
+                      packed=(x, kv, heads))
+
+
+def _attention(q, k, v, causal, attn_mask, dropout_p, scale, packed=None):
+    """attention(); with packed = (x, kv, heads), attention_packed's, q, k, v being their views."""
     _check_inputs(q, k, v, causal, attn_mask, dropout_p, scale)
     if q.numel() == 0 or k.numel() == 0:
         return _attention_empty(q, k, v)
@@ -347,6 +433,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if attn_mask is not None:
         attn_mask = attn_mask.detach()  # the op's autograd gives it no gradient anyway
     rng = _philox_seed_offset() if dropout_p > 0 else None
+    if packed is not None:
+        return _PackedAttention.apply(*packed, attn_mask, rng, alignment, float(dropout_p), scale,
+                                      impl)
     out, _ = _attention_forward_op(q, k, v, attn_mask, rng, alignment, float(dropout_p), scale,
                                    impl)
     return out
