@@ -352,8 +352,11 @@ def test_launch_counter_counts_the_cuda_path_of_one_update(monkeypatch):
     # dW and dB are summed by the backward's last program: no launch of their own
     assert sum("layer_norm" in op for op in by_op) == 2, by_op
     assert by_op["_fused_adam_"] >= 1 and by_op["mm"] > 0
-    assert r["launches"] == sum(by_op.values())
+    assert r["launches"] == sum(by_op.values()) == sum(r["launches_by_phase"].values())
     assert r["host_syncs"] == sum(r["syncs_by_reason"].values()) > 0
+    # the micro-batch syncs nothing; the update's end reads its results once
+    assert r["host_syncs_by_phase"] == {"micro-batch": 0, "update": 1}
+    assert r["launches_by_phase"]["update"] < r["launches_by_phase"]["micro-batch"]
     # One host sync per update, train_step's read of its results; no dropout seed launched
     # (LayerNorm's and attention's come from the CPU generator); attention's results merge
     # heads as views (no clone) and its gradients need no copy.
@@ -368,12 +371,13 @@ def test_launch_counter_counts_the_cuda_path_of_one_update(monkeypatch):
     assert r["host_to_device_copies"] == 3  # the batch: source, decoder input, target
     # Without the copies each LayerNorm output a linear map reads is cast, its gradient cast
     # back and added to the residual's: 3 launches, but for the encoder's last (the memory,
-    # read as float32) and the decoder's last (no residual after it: 2); and each feed-forward's
-    # ReLU runs apart from its product (a float32 input beside bf16 weights: 1).
+    # read as float32) and the decoder's last (no residual after it: 2); so is each embedding's
+    # output (3); and each feed-forward's ReLU runs apart from its product (a float32 input
+    # beside bf16 weights), its backward and bias gradient apart too (2).
     monkeypatch.setattr(fastattn.model, "autocast_copy_dtype", lambda x: None)
     uncopied = launches.trace("tiny", sentences=3, length=5, vocab=500)["launches"]
     feed_forwards = cfg.encoder_layers + cfg.decoder_layers
-    assert uncopied - r["launches"] == 3 * (norms - 2) + 2 + feed_forwards
+    assert uncopied - r["launches"] == 3 * (norms - 2) + 2 + 3 * 2 + 2 * feed_forwards
 
 
 def test_multi_tensor_launches_follow_atens_limits():

@@ -29,9 +29,14 @@ from fastattn.kernels import cross_entropy as kernels
 REDUCTIONS = ("none", "sum", "mean")
 TARGET_DTYPES = (torch.int64, torch.int32)  # both work on every path, forward and backward
 CHUNK_ELEMENTS = 2**24  # logits per linear_cross_entropy chunk on a CPU: 64 MB in fp32
-# On a GPU, 256 MB in bf16: each chunk is six launches (two products, the loss kernels, dW's
-# product and add), and the paper's 3,125 target tokens per GPU at 37,000 pieces fit in one.
+# On a GPU, 256 MB in bf16: each chunk is five launches (two products, the loss kernels, dW's
+# product; and the add of dW's partial after the first), and the paper's 3,125 target tokens per
+# GPU at 37,000 pieces fit in one.
 GPU_CHUNK_ELEMENTS = 2**27
+# Devices whose matrix products take 16-bit inputs to a float32 result (mm's out_dtype): dW
+# accumulates in float32 inside the product, not through a rounded 16-bit partial and an add.
+# (meta: benchmarks.launches counts the CUDA path on meta tensors.)
+FLOAT32_PRODUCT_DEVICES = ("cuda", "meta")
 
 
 def _interpreted(logits: torch.Tensor) -> torch.Tensor:
@@ -311,7 +316,14 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, smoothing, ignore
     nll = torch.empty_like(loss)
     grads = row_weight is not None
     dhidden = torch.empty_like(hidden) if grads else hidden.new_empty(0)
-    dweight = torch.zeros_like(weight, dtype=torch.float32) if grads else hidden.new_empty(0)
+    float32_product = (hidden.device.type in FLOAT32_PRODUCT_DEVICES
+                       and hidden.dtype in (torch.float16, torch.bfloat16))
+    if not grads:
+        dweight = hidden.new_empty(0)
+    elif float32_product:
+        dweight = None  # the first chunk's product allocates it: no zeros
+    else:
+        dweight = torch.zeros_like(weight, dtype=torch.float32)
     dbias = torch.zeros(V, dtype=torch.float32, device=hidden.device)
     if not (grads and bias is not None):
         dbias = hidden.new_empty(0)
@@ -331,12 +343,18 @@ def _linear_cross_entropy_chunks(hidden, weight, bias, target, smoothing, ignore
                             (loss[part], nll[part]))
         grad = logits
         torch.mm(grad, weight, out=dhidden[part])
-        if dweight.dtype == grad.dtype:
+        if dweight is None:
+            dweight = torch.mm(grad.T, h, out_dtype=torch.float32)
+        elif float32_product:
+            dweight += torch.mm(grad.T, h, out_dtype=torch.float32)
+        elif dweight.dtype == grad.dtype:
             dweight.addmm_(grad.T, h)
         else:
             dweight += grad.T @ h
         if bias is not None:
             dbias += grad.sum(0, dtype=torch.float32)
+    if dweight is None:  # no rows
+        dweight = torch.zeros_like(weight, dtype=torch.float32)
     return loss, nll, dhidden, dweight, dbias
 
 
