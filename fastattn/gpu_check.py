@@ -62,7 +62,9 @@ from fastattn.gpu_bench import (  # noqa: E402
 )
 from fastattn.ops.attention import attention_reference  # noqa: E402
 from fastattn.ops.cross_entropy import cross_entropy_reference  # noqa: E402
+from fastattn.ops.embedding import embedding as ops_embedding  # noqa: E402
 from fastattn.ops.layer_norm import layer_norm_residual_reference  # noqa: E402
+from fastattn.ops.relu import relu_backward_bias  # noqa: E402
 
 COMPILE_REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_report.json"
 
@@ -102,9 +104,12 @@ def tf32(allowed: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor):
+def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor,
+            **constants: torch.Tensor):
+    """[fn's output, the gradients of inputs] for the upstream gradient grad; constants go to fn
+    as keywords, without gradient."""
     leaves = [x.detach().requires_grad_() for x in inputs]
-    out = fn(*leaves)
+    out = fn(*leaves, **constants)
     out.backward(grad.to(out.dtype))
     return [out.detach(), *(x.grad for x in leaves)]
 
@@ -228,6 +233,55 @@ def layer_norm_case(check: Check, residual: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def relu_bias_case(check: Check) -> list[dict[str, Any]]:
+    """The feed-forward's ReLU backward with its bias gradient (one kernel) against
+    threshold_backward and a sum in the same dtype."""
+    dev = check.device
+    n, features = (33, 40) if check.dry_run else (4097, 2048)
+    h = torch.randn(n, features, device=dev, dtype=torch.float64).relu()
+    grad = torch.randn(n, features, device=dev, dtype=torch.float64)
+
+    def eager(grad, h):
+        g = torch.ops.aten.threshold_backward(grad, h, 0)
+        return [g, g.sum(0)]
+
+    reference = eager(grad, h)
+    rows = []
+    for dtype_name in ("fp16", "bf16", "fp32"):
+        dtype = DTYPES[dtype_name][0]
+        ours = list(relu_backward_bias(grad.to(dtype), h.to(dtype), dtype))
+        rows.append(graded("relu_backward_bias", ours, eager(grad.to(dtype), h.to(dtype)),
+                           reference, dtype_name, variant="g and the bias gradient",
+                           shape=f"{n}x{features}"))
+    return rows
+
+
+def embedding_case(check: Check) -> list[dict[str, Any]]:
+    """The fused embedding (gather, scale, positions) and its weight gradient against eager."""
+    dev = check.device
+    b, length, vocab, d = (3, 17, 97, 40) if check.dry_run else (125, 25, 37000, 512)
+    tokens = torch.randint(0, vocab, (b, length), device=dev)
+    weight = torch.randn(vocab, d, device=dev, dtype=torch.float64) * d**-0.5
+    positions = torch.randn(length, d, device=dev, dtype=torch.float64)
+    grad = torch.randn(b, length, d, device=dev, dtype=torch.float64)
+    scale = d**0.5
+
+    def eager(w, positions):
+        return F.embedding(tokens, w) * scale + positions
+
+    reference = fwd_bwd(eager, [weight], grad, positions=positions)
+    rows = []
+    for dtype_name in ("fp16", "bf16", "fp32"):
+        dtype = DTYPES[dtype_name][0]
+        cast, p = [weight.to(dtype)], positions.to(dtype)
+        ours = fwd_bwd(lambda w, positions: ops_embedding(tokens, w, positions, scale), cast,
+                       grad, positions=p)
+        rows.append(graded("embedding", ours, fwd_bwd(eager, cast, grad, positions=p),
+                           reference, dtype_name, variant="no dropout",
+                           shape=f"{b}x{length} of {vocab}x{d}"))
+    return rows
+
+
 def correctness(check: Check) -> list[dict[str, Any]]:
     rows = []
     for case in attention_variants(check):
@@ -235,7 +289,7 @@ def correctness(check: Check) -> list[dict[str, Any]]:
             return rows
         rows += attention_case(check, *case)
     rows += layer_norm_case(check, residual=True) + layer_norm_case(check, residual=False)
-    return rows + cross_entropy_cases(check)
+    return rows + cross_entropy_cases(check) + relu_bias_case(check) + embedding_case(check)
 
 
 def cross_entropy_cases(check: Check) -> list[dict[str, Any]]:

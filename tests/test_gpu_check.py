@@ -19,7 +19,7 @@ def test_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     correctness = report["stages"]["correctness"]["rows"]
     ops = {row["op"] for row in correctness}
     assert ops == {"attention", "layer_norm_residual", "label_smoothed_cross_entropy",
-                   "linear_cross_entropy"}
+                   "linear_cross_entropy", "relu_backward_bias", "embedding"}
     assert {row["dtype"] for row in correctness} == set(gpu_check.DTYPES)
     assert all(row["passed"] for row in correctness)
     large = {row["variant"]: row for row in report["stages"]["large"]["rows"]}
