@@ -453,14 +453,38 @@ VARIANT_TILES = {
     # heaviest; the float ones likewise) and spilled 8 B at d = 32 (float mask); 64 x 32 takes
     # 206-254 at 64 and 128 at 32, no spill. (mask + causal keeps 128 x 32: 244-248.)
     ("_attn_bwd_dq", "mask", (70, 80)): {(32, 2): (64, 32, 8, 3), (64, 2): (64, 32, 8, 3)},
-    ("_attn_bwd_dq", "mask+dropout", (70, 80)): {(64, 2): (64, 32, 8, 3)},
+    ("_attn_bwd_dq", "mask+dropout", (70, 80)): {(64, 2): (64, 32, 8, 3), (16, 4): (32, 32, 8, 2)},
     ("_attn_bwd_dq", HEAVIEST, (70, 80)): {(64, 2): (64, 32, 8, 3)},
     # The forward at d = 64, a mask per query with causal and dropout: 128 x 64 at 254-255;
     # 64 x 64 takes 230-234.
-    ("_attn_fwd", HEAVIEST, (70, 80)): {(64, 2): (64, 64, 8, 3)},
+    ("_attn_fwd", HEAVIEST, (70, 80)): {(64, 2): (64, 64, 8, 3), (64, 4): (32, 32, 4, 2)},
     # The forward at d = 16, key padding with causal and dropout: 128 x 32 spilled 8 B (ptxas held
     # it to 128 registers); 128 x 16 takes 121, no spill.
-    ("_attn_fwd", "key padding+causal+dropout", (70, 80)): {(16, 2): (128, 16, 8, 3)},
+    ("_attn_fwd", "key padding+causal+dropout", (70, 80)): {(16, 2): (128, 16, 8, 3),
+                                                            (32, 4): (64, 32, 4, 2)},
+    # float32 (products in tf32), where the shared 8-warp tiles spilled (ptxas held them to 128
+    # registers) or reached 255 (python -m benchmarks.attention_tiles --shipped --dtype fp32):
+    # Ampere's forward at d = 64 with key padding (8 B) and a mask per query with dropout (255),
+    # at d = 32 with key padding, causal and dropout (16 B); dQ at d = 16 with a mask and
+    # dropout (8 B). Hopper's forward at d = 128 with a mask per query and causal (16 B); dK/dV
+    # at d = 32 with a mask per query, at 64 with a mask and dropout, at 128 with key padding
+    # (8-16 B); dQ at d = 16 to 128 with a mask and dropout (8-16 B), at d = 128 with causal and
+    # dropout or key padding and causal, at 64 with dropout, at 32 with key padding, causal
+    # and dropout (8 B).
+    ("_attn_fwd", "key padding", (70, 80)): {(64, 4): (64, 32, 4, 2)},
+    ("_attn_fwd", "mask+dropout", (70, 80)): {(64, 4): (32, 32, 4, 2)},
+    ("_attn_fwd", "mask+causal", (90,)): {(128, 4): (32, 16, 8, 2)},
+    ("_attn_fwd", HEAVIEST, (90,)): {(128, 4): (32, 16, 8, 2)},
+    ("_attn_bwd_dkdv", "mask", (90,)): {(32, 4): (16, 32, 8, 2)},
+    ("_attn_bwd_dkdv", "mask+dropout", (90,)): {(64, 4): (16, 32, 8, 2)},
+    ("_attn_bwd_dkdv", "key padding", (90,)): {(128, 4): (16, 32, 8, 2)},
+    ("_attn_bwd_dq", "mask+dropout", (90,)): {(16, 4): (32, 32, 8, 2), (32, 4): (32, 32, 8, 2),
+                                             (64, 4): (32, 32, 8, 2), (128, 4): (16, 32, 8, 2)},
+    ("_attn_bwd_dq", "key padding+causal+dropout", (90,)): {(32, 4): (32, 32, 8, 2)},
+    ("_attn_bwd_dq", "dropout", (90,)): {(64, 4): (32, 32, 8, 2)},
+    ("_attn_bwd_dq", HEAVIEST, (90,)): {(32, 4): (32, 32, 8, 2), (128, 4): (16, 32, 8, 2)},
+    ("_attn_bwd_dq", "causal+dropout", (90,)): {(128, 4): (32, 32, 4, 2)},
+    ("_attn_bwd_dq", "key padding+causal", (90,)): {(128, 4): (32, 32, 4, 2)},
 }
 
 

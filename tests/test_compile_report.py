@@ -134,22 +134,24 @@ def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path):
     kernels.attention.VARIANTS (no mask, key padding or a mask per query, bool or float, each
     with and without causal and dropout: the model's four and the drop-in's) is compiled too,
     with the tile the launchers pick for it (benchmarks.attention_tiles --shipped), at head dims
-    16 to 128 in fp16 (bf16 compiled to the same registers in every case measured): no spill,
-    under the register cap, wgmma on sm_90."""
+    16 to 128 in fp16 (bf16 compiled to the same registers in every case measured) and fp32
+    (products in tf32): no spill, under the register cap, and in fp16 wgmma on sm_90 (tf32
+    products stay on mma.sync there in most kernels: docs/benchmark-notes.md)."""
     if not os.path.exists(_cuobjdump()):
         pytest.skip("Triton's bundled NVIDIA tools (ptxas, cuobjdump) are not installed")
     path = tmp_path / "tiles.json"
     head_dims = ("16", "32", "64", "128")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-m", "benchmarks.attention_tiles", "--shipped",
-                    "--head-dim", *head_dims, "--dtype", "fp16", "--arch", *map(str, ARCHS),
+                    "--head-dim", *head_dims, "--dtype", "fp16", "fp32", "--arch", *map(str, ARCHS),
                     "--jobs", "2", "--json", str(path)],
                    env=env, check=True, timeout=1800, capture_output=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = json.loads(path.read_text())
-    assert len(rows) == 3 * len(attention.VARIANTS) * len(head_dims) * len(ARCHS)
+    assert len(rows) == 2 * 3 * len(attention.VARIANTS) * len(head_dims) * len(ARCHS)
     bad = [(r["name"], r["arch"], r["registers"], r["spill_bytes"]) for r in rows
-           if r["spill_bytes"] or r["registers"] >= 255 or (r["arch"] == 90 and not r["wgmma"])]
+           if r["spill_bytes"] or r["registers"] >= 255
+           or (r["arch"] == 90 and "fp16" in r["name"].split() and not r["wgmma"])]
     assert not bad, f"spilling, at the cap, or not wgmma on sm_90: {bad}"
 
 
