@@ -391,8 +391,8 @@ class Translator:
             q, k, _ = module.qkv(inputs[0][0]).split(module.split, dim=-1)
             k = k[0].unflatten(-1, (module.heads, -1)).transpose(0, 1)
         else:
-            x, (k, _), _ = inputs[0]  # the memory's keys, heads split: (B, h, S, d_k)
-            q, k = module.q(x), k[0]
+            x, memory_kv, _ = inputs[0]  # the memory's kv projection (B, S, h·(d_k + d_v))
+            q, k = module.q(x), module.split_kv(memory_kv)[0][0]  # keys (h, S, d_k)
         q, k = q[0].unflatten(-1, (module.heads, -1)).transpose(0, 1).float(), k.float()
         weights = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
         pieces = self.sp.id_to_piece

@@ -197,13 +197,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask, rng = ctx.saved_tensors
-    if ctx.impl == "fastattn._C":  # its kernels return new tensors: no buffers to copy them into
-        dq, dk, dv = _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng,
-                                                ctx.causal, ctx.dropout_p, ctx.scale)
-    else:
-        dq, dk, dv = (kernels.heads_last_empty(x) for x in (q, k, v))
-        _attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, rng, ctx.causal,
-                               ctx.dropout_p, ctx.scale, ctx.impl, dq, dk, dv)
+    dq, dk, dv = (kernels.heads_last_empty(x) for x in (q, k, v))
+    _attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, rng, ctx.causal,
+                           ctx.dropout_p, ctx.scale, ctx.impl, dq, dk, dv)
     return dq, dk, dv, None, None, None, None, None, None
 
 
