@@ -27,9 +27,10 @@ or the Triton launcher under Triton's interpreter. The implementation is an argu
 so its fake tensors are laid out as the kernel that will run lays them out.
 
 attention_packed takes q, k, v as the columns of projection outputs (a self-attention's fused
-q/k/v projection; a cross-attention's queries, and its keys and values side by side): the
-backward op writes their gradients into one buffer per projection, laid out like it, where
-split's backward would concatenate them (a launch per layer on a GPU).
+q/k/v projection; a cross-attention's queries, and its keys and values side by side): its
+backward, fastattn::attention_backward_into, writes their gradients into one buffer per
+projection, laid out like it, where split's backward would concatenate them (a launch per layer
+on a GPU).
 
 Sections: the CPU kernels, the torch.library registration with autograd (and attention_packed's
 autograd.Function), the PyTorch path, the public ops, the reference.
@@ -145,12 +146,39 @@ def _(q, k, v, attn_mask, rng, causal, dropout_p, scale, impl):
     return kernels.heads_last_empty(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-# The backward writes into buffers it is given rather than returning new tensors, so that the
-# gradients of q, k, v that are columns of one packed projection output land in one buffer laid
-# out like it (attention_packed): no concatenation, which split's backward would launch.
-@torch.library.custom_op("fastattn::attention_backward", mutates_args=("dq", "dk", "dv"),
-                         device_types="cuda")
+@torch.library.custom_op("fastattn::attention_backward", mutates_args=(), device_types="cuda")
 def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
+                           causal: str | None, dropout_p: float, scale: float,
+                           impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return kernels.attention_backward(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
+                                      dropout_p, scale)
+
+
+@_attention_backward_op.register_kernel("cpu")
+def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl):
+    if impl == "triton-interpreter":
+        grads = kernels.attention_backward(*_without_bf16(grad_out, q, k, v, out), lse,
+                                           *_without_bf16(attn_mask), rng, causal, dropout_p,
+                                           scale)
+        return tuple(g.to(q.dtype) for g in grads)
+    return _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
+                                      dropout_p, scale)
+
+
+@_attention_backward_op.register_fake
+def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl):
+    return tuple(kernels.heads_last_empty(x) for x in (q, k, v))
+
+
+# attention_backward writing into buffers it is given, so that the gradients of q, k, v that are
+# columns of one packed projection output land in one buffer laid out like it
+# (attention_packed): no concatenation, which split's backward would launch. The plain backward
+# above returns new tensors, which spares fastattn._C's CPU kernels a copy.
+@torch.library.custom_op("fastattn::attention_backward_into", mutates_args=("dq", "dk", "dv"),
+                         device_types="cuda")
+def _attention_backward_into_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                            attn_mask: torch.Tensor | None, rng: torch.Tensor | None,
                            causal: str | None, dropout_p: float, scale: float, impl: str,
@@ -162,7 +190,7 @@ def _attention_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Ten
                                scale, grads=(dq, dk, dv))
 
 
-@_attention_backward_op.register_kernel("cpu")
+@_attention_backward_into_op.register_kernel("cpu")
 def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl, dq, dk, dv):
     if impl == "triton-interpreter" and q.dtype != torch.bfloat16:
         kernels.attention_backward(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
@@ -179,7 +207,7 @@ def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, imp
         buffer.copy_(grad)
 
 
-@_attention_backward_op.register_fake
+@_attention_backward_into_op.register_fake
 def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, impl, dq, dk, dv):
     return None
 
@@ -197,9 +225,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, grad_lse):
     q, k, v, out, lse, attn_mask, rng = ctx.saved_tensors
-    dq, dk, dv = (kernels.heads_last_empty(x) for x in (q, k, v))
-    _attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, rng, ctx.causal,
-                           ctx.dropout_p, ctx.scale, ctx.impl, dq, dk, dv)
+    dq, dk, dv = _attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, rng, ctx.causal,
+                                        ctx.dropout_p, ctx.scale, ctx.impl)
     return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -233,9 +260,9 @@ class _PackedAttention(torch.autograd.Function):
         x, kv, out, lse, attn_mask, rng = ctx.saved_tensors
         grad_x = x.new_empty(x.shape)
         grad_kv = None if kv is None else kv.new_empty(kv.shape)
-        _attention_backward_op(grad_out, *_unpack(x, kv, ctx.heads), out, lse, attn_mask, rng,
-                               ctx.causal, ctx.dropout_p, ctx.scale, ctx.impl,
-                               *_unpack(grad_x, grad_kv, ctx.heads))
+        _attention_backward_into_op(grad_out, *_unpack(x, kv, ctx.heads), out, lse, attn_mask,
+                                    rng, ctx.causal, ctx.dropout_p, ctx.scale, ctx.impl,
+                                    *_unpack(grad_x, grad_kv, ctx.heads))
         needs_x, needs_kv = ctx.needs_input_grad[:2]
         return (grad_x if needs_x else None, grad_kv if needs_kv else None,
                 None, None, None, None, None, None, None)
