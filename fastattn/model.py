@@ -25,6 +25,7 @@ from fastattn.decoding import DecodingState
 from fastattn.modules import ResidualLayerNorm
 from fastattn.ops.attention import attention_packed
 from fastattn.ops.embedding import embedding as fused_embedding
+from fastattn.ops.relu import relu_backward_bias
 from fastattn.rdrop import linear_rdrop_loss
 from fastattn.search import BeamSearchSetup, Hypothesis, LengthPenalty, beam_search
 from fastattn.tokens import (
@@ -387,8 +388,6 @@ class _LinearReLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        from fastattn.ops.relu import relu_backward_bias  # internal: not in fastattn.ops
-
         x, weight, h = ctx.saved_tensors
         # F.relu's own backward and the bias gradient in one launch; the bias has weight's
         # dtype (FeedForward takes this form only then).
