@@ -196,13 +196,9 @@ def _(grad_out, q, k, v, out, lse, attn_mask, rng, causal, dropout_p, scale, imp
         kernels.attention_backward(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
                                    dropout_p, scale, grads=(dq, dk, dv))
         return
-    if impl == "triton-interpreter":  # computed on fp32 copies (_without_bf16)
-        grads = kernels.attention_backward(*_without_bf16(grad_out, q, k, v, out), lse,
-                                           *_without_bf16(attn_mask), rng, causal, dropout_p,
-                                           scale)
-    else:  # fastattn._C returns new tensors
-        grads = _attention_backward_native(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
-                                           dropout_p, scale)
+    # bf16 under the interpreter, and fastattn._C: the plain backward's new tensors, copied
+    grads = _attention_backward_op(grad_out, q, k, v, out, lse, attn_mask, rng, causal,
+                                   dropout_p, scale, impl)
     for buffer, grad in zip((dq, dk, dv), grads, strict=True):
         buffer.copy_(grad)
 
