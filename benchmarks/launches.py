@@ -8,19 +8,22 @@ How: the model, its batch and the optimiser state are meta tensors (shapes and d
 and fastattn's dispatch answers for them what it answers for CUDA tensors (the Triton kernels).
 A TorchDispatchMode sees every ATen op below autograd, forward and backward, and fastattn's own
 ops, whose CUDA implementations it runs (their launchers and matrix products) with Triton's
-launch replaced by a count. train_step (fastattn.train.step) runs as the trainer runs it, with
-fused Adam, bf16 autocast and one micro-batch.
+launch replaced by a count. launch_step (fastattn.train.step) runs as the trainer runs it, with
+fused Adam, bf16 autocast and one micro-batch, and then its result is read.
 
 What counts, per op call:
 - a launch: every ATen op that is not a view, an allocation or a metadata query (each is one CUDA
   kernel, the usual case; multi-tensor ops count the launches ATen's multi_tensor_apply makes,
   by its limits of tensors per launch and 65,536-element chunks, `multi_tensor_launches`), and
   every Triton kernel launched;
-- per phase: the micro-batch (forward and backward; what accumulation repeats) and the update's
-  end (the gradient norm, the optimiser, train_step's read of its results);
+- per phase: the micro-batch (forward and backward; what accumulation repeats), the update's
+  end (the gradient norm, the optimiser, the non-blocking copy of the results to the host) and
+  the read (PendingStep.result(), which the trainer makes once the next update is launched);
 - a host sync: reading a device value on the host (Tensor.item(), .tolist(), float(tensor), a
-  copy to the CPU) and the ops whose output size depends on the data (nonzero, boolean
-  indexing, masked_select, unique), which wait for the device to know it;
+  blocking copy to the CPU) and the ops whose output size depends on the data (nonzero, boolean
+  indexing, masked_select, unique), which wait for the device to know it; apart from them, the
+  read's wait on an event recorded after the update's own work (the GPU meanwhile runs the
+  next update's, already launched);
 - bytes copied: what copies and casts write (copy_, _foreach_copy_, _to_copy, clone,
   contiguous's copy, cat);
 - host-to-device copies, counted apart (the batch's own are one per tensor).
@@ -56,7 +59,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastattn import backend
 from fastattn.kernels.reduction import arrival_counter
 from fastattn.model import PRESETS, Transformer
-from fastattn.train.step import LossModule, train_step
+from fastattn.train.step import LossModule, launch_step
 
 aten = torch.ops.aten
 # Ops that launch nothing on a GPU: views, allocations, metadata.
@@ -87,7 +90,7 @@ MULTI_TENSOR_MAX_BLOCKS = 320
 MULTI_TENSOR_CHUNK = 65536
 
 
-PHASES = ("micro-batch", "update")
+PHASES = ("micro-batch", "update", "read")
 
 
 @dataclass
@@ -96,6 +99,7 @@ class Counts:
     syncs: Counter = field(default_factory=Counter)  # "reason at file:line" -> count
     copied: Counter = field(default_factory=Counter)  # op name -> bytes written
     h2d: int = 0
+    event_waits: Counter = field(default_factory=Counter)  # "phase at file:line" -> count
     # The micro-batch (forward and backward) until its backward returns, then the update's end
     # (gradient norm, optimiser, the read of the results): launches and syncs per phase.
     phase: str = "micro-batch"
@@ -193,8 +197,11 @@ class CudaPathCounter(TorchDispatchMode):
             source = args[0].device.type
             target = kwargs.get("device")
             target = source if target is None else torch.device(target).type
-            if source == "meta" and target == "cpu":  # .tolist(), .cpu(): the host waits
-                self.counts.sync(f"copy to the host (.tolist(), .cpu()) at {_caller()}")
+            if source == "meta" and target == "cpu":
+                if kwargs.get("non_blocking"):  # into pinned memory, behind the stream's work
+                    self.counts.launch("copy to the host (non-blocking)")
+                else:  # .tolist(), .cpu(): the host waits for the device
+                    self.counts.sync(f"copy to the host (.tolist(), .cpu()) at {_caller()}")
                 return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
             if source == "cpu" and target == "meta":
                 self.counts.h2d += 1
@@ -315,6 +322,19 @@ def cuda_dispatch(counts: Counts, sm: tuple[int, int] = (9, 0), sms: int = 132):
     saved_foreach = foreach._get_foreach_kernels_supported_devices
     # clip_grad_norm_ takes the multi-tensor kernels on CUDA, as on meta here
     foreach._get_foreach_kernels_supported_devices = lambda: [*saved_foreach(), "meta"]
+    real_event = torch.Event
+
+    class Event:  # a CUDA event: recorded on the stream, waited for by the host
+        def __init__(self, device=None, **kwargs) -> None:
+            pass
+
+        def record(self, stream=None) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            counts.event_waits[f"{counts.phase} at {_caller()}"] += 1
+
+    torch.Event = Event
     saved_nonzero = fx_config.meta_nonzero_assume_all_nonzero
     fx_config.meta_nonzero_assume_all_nonzero = True  # boolean indexing on meta: all selected
     try:
@@ -327,12 +347,16 @@ def cuda_dispatch(counts: Counts, sm: tuple[int, int] = (9, 0), sms: int = 132):
             setattr(torch, name, value)
         fx_config.meta_nonzero_assume_all_nonzero = saved_nonzero
         F.dropout = real_dropout
+        torch.Event = real_event
         foreach._get_foreach_kernels_supported_devices = saved_foreach
 
 
 class MetaAdam:
     """What torch.optim.Adam(fused=True) does per step on a GPU: one _fused_adam_ over the
-    parameter, gradient and moment lists (torch refuses fused Adam on meta tensors)."""
+    parameter, gradient and moment lists, skipping the update where found_inf says so (torch
+    refuses fused Adam on meta tensors)."""
+
+    _step_supports_amp_scaling = True  # the found_inf protocol launch_step uses
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
@@ -344,7 +368,8 @@ class MetaAdam:
         grads = [p.grad for p in self.params]
         torch._fused_adam_(self.params, grads, self.exp_avg, self.exp_avg_sq, [], self.steps,
                            lr=1e-4, beta1=0.9, beta2=0.98, weight_decay=0.0, eps=1e-9,
-                           amsgrad=False, maximize=False)
+                           amsgrad=False, maximize=False,
+                           found_inf=getattr(self, "found_inf", None))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
@@ -354,7 +379,8 @@ class MetaAdam:
 def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
     """The counts of one update (one micro-batch of `sentences` pairs of `length` source and
     target tokens) of `preset` on the CUDA path, in all and by phase: the micro-batch (its forward
-    and backward) and the update's end (gradient norm, optimiser, the read of the results)."""
+    and backward), the update's end (gradient norm, optimiser, the copy of the results) and the
+    read of the results."""
     if backend.interpreter_active():
         raise RuntimeError("the launch count needs Triton's compiled launch path: unset "
                            "TRITON_INTERPRET")
@@ -380,7 +406,9 @@ def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
     torch.Tensor.backward = backward
     try:
         with cuda_dispatch(counts), CudaPathCounter(counts):
-            train_step(loss_module, optimizer, [batch], autocast_dtype=torch.bfloat16)
+            pending = launch_step(loss_module, optimizer, [batch], autocast_dtype=torch.bfloat16)
+            counts.phase = "read"
+            pending.result()
     finally:
         torch.Tensor.backward = real_backward
     return {
@@ -389,6 +417,7 @@ def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
         "launches": counts.total(), "host_syncs": sum(counts.syncs.values()),
         "launches_by_phase": dict(counts.phase_launches),
         "host_syncs_by_phase": {phase: counts.phase_syncs[phase] for phase in PHASES},
+        "event_waits": dict(counts.event_waits),
         "bytes_copied": sum(counts.copied.values()), "host_to_device_copies": counts.h2d,
         "launches_by_op": dict(counts.launches.most_common()),
         "syncs_by_reason": dict(counts.syncs.most_common()),
@@ -398,14 +427,16 @@ def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
 
 def markdown(results: list[dict]) -> str:
     lines = ["| preset | tokens (src + tgt) | launches | of which the micro-batch | host syncs "
-             "(micro-batch + update) | bytes copied | host-to-device copies |",
-             "|---|---|---|---|---|---|---|"]
+             "(micro-batch + update + read) | event waits (read) | bytes copied | "
+             "host-to-device copies |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         tokens = r["sentences"] * r["length"]
         syncs = r["host_syncs_by_phase"]
         lines.append(f"| {r['preset']} | {tokens:,} + {tokens:,} | {r['launches']:,} | "
                      f"{r['launches_by_phase'].get('micro-batch', 0):,} | "
-                     f"{syncs['micro-batch']} + {syncs['update']} | "
+                     f"{syncs['micro-batch']} + {syncs['update']} + {syncs['read']} | "
+                     f"{sum(r['event_waits'].values())} | "
                      f"{r['bytes_copied'] / 1e9:.2f} GB | {r['host_to_device_copies']} |")
     for r in results:
         lines += ["", f"{r['preset']}: launches by op", ""]

@@ -353,7 +353,8 @@ def projection() -> str:
         "launches\" bounds the mixed-precision step by the host as well: the kernel launches of "
         f"one bf16 update that `python -m benchmarks.launches` counts ({counts}) at "
         f"{LAUNCH_SECONDS[0] * 1e6:.0f} to {LAUNCH_SECONDS[1] * 1e6:.0f} µs of eager dispatch "
-        "each, overlapped with the GPU's work (the step syncs once, at its end). The paper: "
+        "each, overlapped with the GPU's work (no host sync: the trainer reads an update after "
+        "launching the next). The paper: "
         f"{PAPER_STEP_SECONDS['base']} s (base) and {PAPER_STEP_SECONDS['big']} s (big) per step "
         "on 8 P100s. Real steps take longer; no GPU was used to produce this table. "
         f"Model FLOPs: {flops}.\n\n" + table(header, rows)

@@ -13,8 +13,10 @@ under --out) is rewritten as each one ends, so a run cut short keeps what it mea
                 installed: ms and TFLOP/s, forward and forward + backward
   fused         LayerNorm + residual, cross-entropy and linear cross-entropy against eager
                 PyTorch: ms, GB/s, peak memory
-  training      base and big training steps: time, launches, GPU-busy fraction, MFU, beside the
-                paper's 0.4 s and 1.0 s (8 P100s)
+  training      base and big training updates as the trainer runs them (launch_step): time
+                read at once and in the trainer's loop (the next launched before the last is
+                read), launches, host syncs (CUDA's sync debug mode), GPU-busy fraction, MFU,
+                beside the paper's 0.4 s and 1.0 s (8 P100s)
   decoding      beam search on the GPU against the CPU: the same translations
   registers     registers and spills of every kernel the JIT built, against the compile report
 

@@ -68,12 +68,20 @@ try:
     import fastattn.data
 except ImportError as e:
     print(type(e).__name__, isinstance(e, ImportError), e)
+# The GPU self-check runs the trainer's update on a machine with torch and Triton alone.
+import fastattn.gpu_check
+from fastattn.train import launch_step
+try:
+    from fastattn.train import Run
+except ImportError as e:
+    print(type(e).__name__, e)
 """
     result = without_mt("-c", code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "[]", "blocked",
-        "MissingExtraError True " + missing_message("fastattn.data", ["sentencepiece"])]
+        "MissingExtraError True " + missing_message("fastattn.data", ["sentencepiece"]),
+        "MissingExtraError " + missing_message("fastattn.data", ["sentencepiece"])]
     assert "pip install 'fastattn[mt]'" in result.stdout
 
 

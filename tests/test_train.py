@@ -23,6 +23,7 @@ from fastattn.train import (
     BF16_MIN_SPEEDUP,
     LossModule,
     bf16_matmul_speedup,
+    launch_step,
     learning_rate,
     model_config,
     parse_args,
@@ -117,6 +118,27 @@ def test_nan_guard_skips_the_update():
     assert not result.ok
     for a, b in zip(before, after, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+def test_fused_adam_skips_a_nan_update_itself_and_the_read_comes_after():
+    """With a fused optimiser the NaN guard needs no host read: found_inf skips the update (and
+    its step count) where the optimiser runs; the figures are read later, from PendingStep."""
+    src, tgt = random_batch(4, 5, 5, seed=3)
+    batch = data.collate(src, tgt, range(4))
+    model = tiny_model()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+    assert launch_step(LossModule(model), optimizer, [batch]).result().ok
+    with torch.no_grad():
+        model.encoder.layers[0].feed_forward.w1.weight[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    pending = launch_step(LossModule(model), optimizer, [batch])
+    assert not hasattr(optimizer, "found_inf")  # GradScaler's protocol: set for the step only
+    result = pending.result()
+    assert not result.ok and result.tokens == sum(len(t) + 1 for t in tgt)
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a.nan_to_num(), b.detach().nan_to_num())
+    assert {int(state["step"]) for state in optimizer.state.values()} == {1}
 
 
 def test_clipping_bounds_the_update():
@@ -315,6 +337,45 @@ def test_bidirectional_training_sees_both_directions_then_source_to_target(tmp_p
     assert (run.epoch, run.epoch_step) == (1, 0)
     run.step = 5  # past the bidirectional phase
     assert pairs_of_an_epoch(run.updates(), len(run.training_pairs.forward_batches)) == forward
+
+
+def test_the_next_update_is_launched_before_the_last_is_read_except_at_a_save_or_the_end(
+        tmp_path, monkeypatch):
+    """Run.train launches update n+1 before reading update n (a GPU never waits on the host's
+    read), but settles an update a checkpoint or the end follows; the updates are the same."""
+    paths = corpus(tmp_path, lines=40)
+    events = []
+    real_launch, real_result = train_module.run.launch_step, train_module.PendingStep.result
+
+    def launch(*args, **kwargs):
+        pending = real_launch(*args, **kwargs)
+        pending.number = sum(e[0] == "L" for e in events) + 1
+        events.append(f"L{pending.number}")
+        return pending
+
+    def result(self):
+        events.append(f"R{self.number}")
+        return real_result(self)
+
+    monkeypatch.setattr(train_module.run, "launch_step", launch)
+    monkeypatch.setattr(train_module.PendingStep, "result", result)
+    metrics = {}
+    for save_every in (3, 1):  # 1: every update settles before the next is launched
+        save_dir = tmp_path / f"run{save_every}"
+        args = parse_args(train_command(paths, save_dir, "--max-updates", 6, "--save-every",
+                                        save_every)[3:])
+        run = train_module.Run(replace(args, threads=0))
+        monkeypatch.setattr(run, "save", lambda *a, run=run, **k: events.append(
+            f"S{run.step}") or train_module.Run.save(run, *a, **k))
+        events.clear()
+        run.train()
+        if save_every == 3:
+            assert events == ["L1", "L2", "R1", "L3", "R2", "R3", "S3", "L4", "L5", "R4", "L6",
+                              "R5", "R6", "S6"]
+        else:
+            assert events == [e for n in range(1, 7) for e in (f"L{n}", f"R{n}", f"S{n}")]
+        metrics[save_every] = losses(save_dir / "metrics.jsonl")
+    assert metrics[3] == metrics[1] and len(metrics[3]) == 6
 
 
 @pytest.mark.parametrize("preset", [None, "64"])

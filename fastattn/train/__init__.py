@@ -18,7 +18,7 @@ The modules, each depending only on those before it:
   resumed run may change;
 - precision: --precision, measured on a CPU, kept by a resumed run;
 - flags: the command line (argparse), its checks, and the TrainConfig it makes;
-- step: the schedule, the loss module and one update (train_step);
+- step: the schedule, the loss module and one update (launch_step, read later; train_step);
 - corpus: the text and its vocabulary; pairs: the training pairs and their batches;
 - evaluation: decoding, BLEU and the dev loss;
 - signals: SIGINT and SIGTERM stop a run after the update in flight, with a checkpoint;
@@ -30,30 +30,41 @@ The modules, each depending only on those before it:
 - command: main().
 """
 
-from fastattn.train.command import main, train_and_score
-from fastattn.train.config import CONFIG_VERSION, TrainConfig, model_config, saved_flags
-from fastattn.train.corpus import Split, load_text, truecased
-from fastattn.train.evaluation import bleu_scores, dev_loss, translate
-from fastattn.train.final import choose_alpha, finish, plot_metrics, score_final
-from fastattn.train.flags import parse_args
-from fastattn.train.members import (
-    Stint,
-    member_args,
-    member_jobs,
-    member_stints,
-    share_precision,
-    train_ensemble,
-)
-from fastattn.train.precision import BF16_MIN_SPEEDUP, bf16_matmul_speedup, pick_precision
-from fastattn.train.run import Run
-from fastattn.train.savedir import one_line_errors
-from fastattn.train.step import LossModule, StepResult, learning_rate, train_step
+import importlib
+from typing import Any
 
-__all__ = [
-    "BF16_MIN_SPEEDUP", "CONFIG_VERSION", "LossModule", "Run", "Split", "StepResult", "Stint",
-    "TrainConfig", "bf16_matmul_speedup", "bleu_scores", "choose_alpha", "dev_loss", "finish",
-    "learning_rate", "load_text", "main", "member_args", "member_jobs", "member_stints",
-    "model_config", "one_line_errors", "parse_args", "pick_precision", "plot_metrics",
-    "saved_flags", "score_final", "share_precision", "train_and_score", "train_ensemble",
-    "train_step", "translate", "truecased",
-]
+# Each name is imported from its module on first use (PEP 562), so that fastattn.train.step, which
+# needs only torch, serves fastattn.gpu_check on a machine without the [mt] extra; the others need
+# it and raise MissingExtraError when used there.
+_MODULES = {
+    "command": ("main", "train_and_score"),
+    "config": ("CONFIG_VERSION", "TrainConfig", "model_config", "saved_flags"),
+    "corpus": ("Split", "load_text", "truecased"),
+    "evaluation": ("bleu_scores", "dev_loss", "translate"),
+    "final": ("choose_alpha", "finish", "plot_metrics", "score_final"),
+    "flags": ("parse_args",),
+    "members": ("Stint", "member_args", "member_jobs", "member_stints", "share_precision",
+                "train_ensemble"),
+    "precision": ("BF16_MIN_SPEEDUP", "bf16_matmul_speedup", "pick_precision"),
+    "run": ("Run",),
+    "savedir": ("one_line_errors",),
+    "step": ("LossModule", "PendingStep", "StepResult", "launch_step", "learning_rate",
+             "train_step"),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = sorted(_HOME, key=str.lower)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    try:  # a submodule (fastattn.train.signals, ...)
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])

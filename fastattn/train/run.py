@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from fastattn.train.evaluation import bleu_scores, dev_loss, translate
 from fastattn.train.pairs import TrainingPairs
 from fastattn.train.precision import choose_precision
 from fastattn.train.savedir import WriteError
-from fastattn.train.step import LossModule, learning_rate, train_step
+from fastattn.train.step import LossModule, PendingStep, launch_step, learning_rate
 
 try:
     from tqdm import tqdm
@@ -51,6 +51,16 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class InFlight(NamedTuple):
+    """An update launched and not yet read."""
+
+    pending: PendingStep
+    batches: list[tuple[torch.Tensor, ...]]
+    lr: float
+    epoch: int
+    """The data position's epoch once its batches were drawn."""
 
 
 def new_window() -> dict[str, float]:
@@ -234,9 +244,11 @@ class Run:
             raise WriteError(f"cannot write {e.filename or 'a file'}: {checkpoint.describe(e)};"
                              f" the run stopped at update {self.step}, {kept}") from None
 
-    def save_due(self) -> bool:
+    def save_due(self, step: int | None = None) -> bool:
+        """Whether a checkpoint is due after update `step` (the last one read by default)."""
         args = self.args
-        due = args.save_every > 0 and self.step % args.save_every == 0
+        step = self.step if step is None else step
+        due = args.save_every > 0 and step % args.save_every == 0
         if args.save_every_minutes > 0:
             due |= time.time() - self.last_save >= 60 * args.save_every_minutes
         if self.distributed:  # rank 0's clock decides for everyone
@@ -264,11 +276,11 @@ class Run:
                 self.epoch, self.epoch_step = self.epoch + 1, 0
             yield [pairs.collate(epoch, i, b) for epoch, i, b in group]
 
-    def finished(self) -> bool:
+    def finished(self, epoch: int | None = None) -> bool:
+        """Whether the run is over, at the data position `epoch` (the last batches') or now."""
         args = self.args
-        return self.step >= args.max_updates or (
-            args.max_epochs > 0 and self.epoch >= args.max_epochs
-        )
+        epoch = self.epoch if epoch is None else epoch
+        return self.step >= args.max_updates or (args.max_epochs > 0 and epoch >= args.max_epochs)
 
     def stop_requested(self) -> int | None:
         """The signal that asked the run to stop (signals.deferred), if any; under DDP any
@@ -289,64 +301,39 @@ class Run:
     def train(self, until: int | None = None) -> None:
         """Trains to the end, or pauses after update `until` with a checkpoint there (an ensemble
         member whose updates two jobs share). SIGINT or SIGTERM: saves after the update in
-        flight and raises signals.Interrupted."""
+        flight and raises signals.Interrupted.
+
+        On one device the next update is launched before the last one is read (launch_step),
+        so a GPU never idles while the host reads: unless that update may end the run, switch
+        phase, evaluate or save, whose work needs it settled first. The learning rate of an
+        update launched ahead assumes the one before it was applied: after a skipped update
+        (NaN/inf) the next runs at the schedule's rate one step later."""
         args = self.args
         if self.main and not args.no_progress:
             self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
                             dynamic_ncols=True, desc=self.name or None, position=self.bar_row)
         self.model.train()
-        window = new_window()
-        updates = self.updates()
+        self.window = new_window()
+        self.batches = self.updates()
+        in_flight = None  # the update launched last, not yet read
         with signals.deferred():
-            while not self.finished() and (until is None or self.step < until):
-                if self.stop_requested():
-                    break
-                batches = next(updates)
-                lr = learning_rate(self.step + 1, self.config.d_model, args.warmup, args.lr_scale)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                result = train_step(self.trainer, self.optimizer, batches,
-                                    autocast_dtype=self.autocast,
-                                    scaler=self.scaler, clip_norm=args.clip_norm)
-                if not result.ok:
-                    self.bad_steps += 1
-                    self.log(f"update {self.step + 1}: NaN/inf gradients, update skipped "
-                             f"({self.bad_steps} in a row)")
-                    if self.bad_steps >= args.max_bad_steps:
-                        raise SystemExit(f"error: {self.bad_steps} updates in a row had NaN/inf "
-                                         "gradients; stopping (lower --lr-scale, enable "
-                                         "--clip-norm or use --precision fp32)")
+            while True:
+                if in_flight is not None and self.may_run_ahead(until):
+                    following = self.launch(ahead=1)
+                    self.record(in_flight)
+                    in_flight = following
                     continue
-                self.bad_steps = 0
-                self.step += 1
-                if self.step == args.bidirectional:  # BiT's tuning phase: source->target only
-                    self.epoch, self.epoch_step = self.epoch + (self.epoch_step > 0), 0
-                    updates = self.updates()
-                    self.log(f"update {self.step}: bidirectional phase over, source->target "
-                             f"from here (epoch {self.epoch})")
-                window["loss"] += result.loss * result.tokens
-                window["nll"] += result.nll * result.tokens
-                window["tokens"] += result.tokens
-                window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in batches)
-                if self.step % args.log_every == 0 or self.finished():
-                    elapsed = time.time() - window["time"]
-                    loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
-                    record = {"step": self.step, "epoch": self.epoch, "loss": loss, "nll": nll,
-                              "ppl": math.exp(min(nll, 50)), "lr": lr,
-                              "tok_per_s": window["batch_tokens"] * self.world / elapsed,
-                              "grad_norm": result.grad_norm, "time": time.time()}
-                    self.write_metrics(record)
-                    if self.bar is not None:
-                        self.bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
-                                             lr=f"{lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
-                                             epoch=self.epoch)
-                    window = new_window()
-                if self.bar is not None:
-                    self.bar.update(1)
-                if args.eval_every and self.step % args.eval_every == 0:
-                    self.validate()
-                if self.save_due():
-                    self.save()
+                if in_flight is not None:
+                    applied = self.record(in_flight)
+                    in_flight = None
+                    if applied and args.eval_every and self.step % args.eval_every == 0:
+                        self.validate()
+                    if applied and self.save_due():
+                        self.save()
+                if (self.finished() or (until is not None and self.step >= until)
+                        or self.stop_requested()):
+                    break
+                in_flight = self.launch(ahead=0)
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
@@ -357,6 +344,73 @@ class Run:
                 saved = self.save(interrupted=bool(stopped) and not at_end)
         if stopped:
             raise signals.Interrupted(stopped, saved or self.last_checkpoint, self.step)
+
+    def launch(self, ahead: int) -> InFlight:
+        """Launches the next update, `ahead` updates past the last one read."""
+        batches = next(self.batches)
+        lr = learning_rate(self.step + 1 + ahead, self.config.d_model, self.args.warmup,
+                           self.args.lr_scale)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        pending = launch_step(self.trainer, self.optimizer, batches, autocast_dtype=self.autocast,
+                              scaler=self.scaler, clip_norm=self.args.clip_norm)
+        return InFlight(pending, batches, lr, self.epoch)
+
+    def may_run_ahead(self, until: int | None) -> bool:
+        """Whether the next update may be launched before the one in flight is read: on one
+        device, with no stop asked for, and if that update, once applied, neither ends the run
+        nor switches phase, evaluates or saves (each needs the model as that update left it)."""
+        args, step = self.args, self.step + 1
+        if self.distributed or signals.requested():
+            return False
+        return not (step >= args.max_updates or (until is not None and step >= until)
+                    or (args.max_epochs > 0 and self.epoch >= args.max_epochs)
+                    or step == args.bidirectional
+                    or (args.eval_every and step % args.eval_every == 0)
+                    or self.save_due(step))
+
+    def record(self, update: InFlight) -> bool:
+        """Reads an update: counts it, logs it and ends the run after too many NaN/inf updates
+        in a row. Returns whether it was applied."""
+        args = self.args
+        result = update.pending.result()
+        if not result.ok:
+            self.bad_steps += 1
+            self.log(f"update {self.step + 1}: NaN/inf gradients, update skipped "
+                     f"({self.bad_steps} in a row)")
+            if self.bad_steps >= args.max_bad_steps:
+                raise SystemExit(f"error: {self.bad_steps} updates in a row had NaN/inf "
+                                 "gradients; stopping (lower --lr-scale, enable "
+                                 "--clip-norm or use --precision fp32)")
+            return False
+        self.bad_steps = 0
+        self.step += 1
+        if self.step == args.bidirectional:  # BiT's tuning phase: source->target only
+            self.epoch, self.epoch_step = self.epoch + (self.epoch_step > 0), 0
+            self.batches = self.updates()
+            self.log(f"update {self.step}: bidirectional phase over, source->target "
+                     f"from here (epoch {self.epoch})")
+        window = self.window
+        window["loss"] += result.loss * result.tokens
+        window["nll"] += result.nll * result.tokens
+        window["tokens"] += result.tokens
+        window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in update.batches)
+        if self.step % args.log_every == 0 or self.finished(update.epoch):
+            elapsed = time.time() - window["time"]
+            loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
+            record = {"step": self.step, "epoch": update.epoch, "loss": loss, "nll": nll,
+                      "ppl": math.exp(min(nll, 50)), "lr": update.lr,
+                      "tok_per_s": window["batch_tokens"] * self.world / elapsed,
+                      "grad_norm": result.grad_norm, "time": time.time()}
+            self.write_metrics(record)
+            if self.bar is not None:
+                self.bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
+                                     lr=f"{update.lr:.2e}", tok_s=f"{record['tok_per_s']:.0f}",
+                                     epoch=update.epoch)
+            self.window = new_window()
+        if self.bar is not None:
+            self.bar.update(1)
+        return True
 
     def write_metrics(self, record: dict[str, Any], path: Path | None = None) -> None:
         """Appends a record to the metrics log (rank 0), or to `path`."""
