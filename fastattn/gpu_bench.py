@@ -249,10 +249,54 @@ def training_step(check: Check, preset: str) -> dict[str, Any]:
                 torch.cuda.set_sync_debug_mode("default")
         pending.result()
         syncs = sum("synchroniz" in str(w.message) for w in caught)
+    graphed = graph_speedup(check, cfg, (src, tgt[:, :-1], tgt[:, 1:]))
     params = sum(p.numel() for p in model.parameters())
     flop = 6 * params * b * length  # the usual 6 N per token, attention's small share aside
     peak = next((v for k, v in PEAK_BF16.items() if k in device_name(check)), None)
     return dict(preset=preset, tokens=f"{b * length} + {b * length}", step_s=t,
                 step_in_loop_s=t_loop, paper_step_s=PAPER_STEP_SECONDS[preset],
                 launches=launches, host_syncs=syncs, gpu_busy=busy,
-                mfu=flop / t_loop / peak if peak else None)
+                mfu=flop / t_loop / peak if peak else None, **graphed)
+
+
+def graph_speedup(check: Check, cfg: fastattn.TransformerConfig,
+                  batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
+    """The update captured as one CUDA graph against the same update launched op by op: what a
+    --cuda-graphs trainer could gain (issue 49). Dropout off: the kernels take their dropout
+    seeds by value from the CPU generator, which a graph would freeze. GPU only; a capture that
+    fails is reported, not raised."""
+    dev = check.device
+    if dev.type != "cuda":
+        return dict(eager_nodrop_s=None, graph_nodrop_s=None, graph_error=None)
+    try:
+        model = fastattn.Transformer(replace(cfg, dropout=0.0)).to(dev)
+        optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-4, device=dev),
+                                     betas=(0.9, 0.98), eps=1e-9, fused=True, capturable=True)
+        src, tgt_in, tgt_out = (t.to(dev) for t in batch)
+        tokens = int((batch[2] != cfg.pad_id).sum())
+
+        def update() -> None:  # autocast's cast cache cannot outlive a capture
+            with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
+                loss = model.loss(src, tgt_in, tgt_out, reduction="sum", tokens=tokens)
+            (loss / tokens).backward()
+            optimizer.step()
+
+        def eager() -> None:
+            update()
+            optimizer.zero_grad(set_to_none=True)
+
+        eager_s = seconds(eager, dev, budget=2.0)
+        side = torch.cuda.Stream(dev)  # warm-up off the default stream, as capture requires
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                eager()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # the gradients it makes stay the graph's: no zero_grad
+            update()
+        graph_s = seconds(graph.replay, dev, budget=2.0)
+        return dict(eager_nodrop_s=eager_s, graph_nodrop_s=graph_s, graph_error=None)
+    except Exception as e:  # what stops capture is the finding
+        return dict(eager_nodrop_s=None, graph_nodrop_s=None,
+                    graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
