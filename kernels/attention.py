@@ -399,7 +399,7 @@ def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offse
 # - fp32 inputs: half the tiles or less. By default (torch's allow_tf32 off) the exact fp32
 #   product runs on FMA units, with the operands in registers; with tf32 allowed, on tensor
 #   cores. Both compile without spills from the same entries.
-# Ampere and Hopper share the tables but for SM90_BWD_DKDV_CONFIGS (below); see the report.
+# Hopper has tables of its own (SM90_*, below), which differ where wgmma needs them; see the report.
 # ---------------------------------------------------------------------------------------------
 
 FWD_CONFIGS = {  # (block_d, element size) -> config
@@ -425,7 +425,20 @@ BWD_DQ_CONFIGS = {
 # in the heaviest variant); at 128, 64 keys (wgmma, 160-236, none), which reach 255 on sm_80, so
 # Ampere takes 32 there (162-226, none). `python -m benchmarks.attention_tiles`; the ranges span
 # the six variants it compiles.
-SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2): (32, 64, 8, 2)}
+# float32 (products in tf32) on Hopper: wgmma needs the M of every product (the forward's and
+# dQ's queries, dK/dV's keys) to be a multiple of 64 per warp group (supportMMA in Triton's
+# lib/Analysis/Utility.cpp; below 64 it falls back to mma.sync), which the tables' 16-32 row
+# tiles are not. Transposed tf32 operands do not matter: Triton stores them K-major in shared
+# memory itself. Hence 64 queries (dQ, the forward at 128: 64 x 32 there spilled) and 64 keys
+# (dK/dV, with fewer queries as D grows: 16 queries at 128 spilled, 8 do not), 8 warps: no spill
+# and at most 238 registers in any variant (python -m benchmarks.attention_tiles --shipped
+# --dtype fp32 --arch 90). The forward's entries at 16-64 (64 x 32) are wgmma already.
+SM90_FWD_CONFIGS = {**FWD_CONFIGS, (128, 4): (64, 16, 8, 2)}
+SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2): (32, 64, 8, 2),
+                         (16, 4): (16, 64, 8, 2), (32, 4): (16, 64, 8, 2),
+                         (64, 4): (16, 64, 8, 2), (128, 4): (8, 64, 8, 2)}
+SM90_BWD_DQ_CONFIGS = {**BWD_DQ_CONFIGS, (16, 4): (64, 32, 8, 2), (32, 4): (64, 32, 8, 2),
+                       (64, 4): (64, 32, 8, 2), (128, 4): (64, 16, 8, 2)}
 # Every feature set the model and the drop-in can launch, as (MASK_KIND, KEY_MASK, CAUSAL,
 # DROPOUT), for the compile checks (benchmarks/attention_tiles.py, tests/test_compile_report.py):
 # no mask, key padding (one row for all queries; bool or float) or a mask per query (bool or
@@ -462,31 +475,15 @@ VARIANT_TILES = {
     # it to 128 registers); 128 x 16 takes 121, no spill.
     ("_attn_fwd", "key padding+causal+dropout", (70, 80)): {(16, 2): (128, 16, 8, 3),
                                                             (32, 4): (64, 32, 4, 2)},
-    # float32 (products in tf32), where the shared 8-warp tiles spilled (ptxas held them to 128
-    # registers) or reached 255 (python -m benchmarks.attention_tiles --shipped --dtype fp32):
-    # Ampere's forward at d = 64 with key padding (8 B) and a mask per query with dropout (255),
-    # at d = 32 with key padding, causal and dropout (16 B); dQ at d = 16 with a mask and
-    # dropout (8 B). Hopper's forward at d = 128 with a mask per query and causal (16 B); dK/dV
-    # at d = 32 with a mask per query, at 64 with a mask and dropout, at 128 with key padding
-    # (8-16 B); dQ at d = 16 to 128 with a mask and dropout (8-16 B), at d = 128 with causal and
-    # dropout or key padding and causal, at 64 with dropout, at 32 with key padding, causal
-    # and dropout (8 B); and dQ at d = 32 with a mask, causal and dropout on Ampere, and with
-    # key padding, causal and dropout on Hopper, where fp32's exact (IEEE) products spilled
-    # 8-16 B (python -m fastattn.kernels.compile_report).
+    # float32 (products in tf32) on Ampere, where the shared 8-warp tiles spilled (ptxas held
+    # them to 128 registers) or reached 255 (python -m benchmarks.attention_tiles --shipped
+    # --dtype fp32): the forward at d = 64 with key padding (8 B) and a mask per query with
+    # dropout (255), at d = 32 with key padding, causal and dropout (16 B); dQ at d = 16 with a
+    # mask and dropout (8 B), and at d = 32 with a mask, causal and dropout, where fp32's exact
+    # (IEEE) products spilled 8-16 B (python -m fastattn.kernels.compile_report). Hopper's
+    # float32 tiles are its own tables' (SM90_*).
     ("_attn_fwd", "key padding", (70, 80)): {(64, 4): (64, 32, 4, 2)},
     ("_attn_fwd", "mask+dropout", (70, 80)): {(64, 4): (32, 32, 4, 2)},
-    ("_attn_fwd", "mask+causal", (90,)): {(128, 4): (32, 16, 8, 2)},
-    ("_attn_fwd", HEAVIEST, (90,)): {(128, 4): (32, 16, 8, 2)},
-    ("_attn_bwd_dkdv", "mask", (90,)): {(32, 4): (16, 32, 8, 2)},
-    ("_attn_bwd_dkdv", "mask+dropout", (90,)): {(64, 4): (16, 32, 8, 2)},
-    ("_attn_bwd_dkdv", "key padding", (90,)): {(128, 4): (16, 32, 8, 2)},
-    ("_attn_bwd_dq", "mask+dropout", (90,)): {(16, 4): (32, 32, 8, 2), (32, 4): (32, 32, 8, 2),
-                                             (64, 4): (32, 32, 8, 2), (128, 4): (16, 32, 8, 2)},
-    ("_attn_bwd_dq", "key padding+causal+dropout", (90,)): {(32, 4): (16, 32, 8, 2)},
-    ("_attn_bwd_dq", "dropout", (90,)): {(64, 4): (32, 32, 8, 2)},
-    ("_attn_bwd_dq", HEAVIEST, (90,)): {(32, 4): (32, 32, 8, 2), (128, 4): (16, 32, 8, 2)},
-    ("_attn_bwd_dq", "causal+dropout", (90,)): {(128, 4): (32, 32, 4, 2)},
-    ("_attn_bwd_dq", "key padding+causal", (90,)): {(128, 4): (32, 32, 4, 2)},
 }
 
 
@@ -525,11 +522,10 @@ def launch_tile(kernel: str, head_dim: int, dtype: torch.dtype, arch: int, *, ma
 
 def _table_tile(kernel: str, entry: tuple[int, int], arch: int) -> tuple[int, int, int, int]:
     """The entry's tile in the block tables, for every variant VARIANT_TILES leaves alone."""
-    if kernel == "_attn_fwd":
-        return FWD_CONFIGS[entry]
-    if kernel == "_attn_bwd_dkdv":
-        return (SM90_BWD_DKDV_CONFIGS if arch == 90 else BWD_DKDV_CONFIGS)[entry]
-    return BWD_DQ_CONFIGS[entry]
+    ampere, hopper = {"_attn_fwd": (FWD_CONFIGS, SM90_FWD_CONFIGS),
+                      "_attn_bwd_dkdv": (BWD_DKDV_CONFIGS, SM90_BWD_DKDV_CONFIGS),
+                      "_attn_bwd_dq": (BWD_DQ_CONFIGS, SM90_BWD_DQ_CONFIGS)}[kernel]
+    return (hopper if arch == 90 else ampere)[entry]
 
 
 def tile_variant(mask_kind: int, key_mask: bool, causal: bool, dropout: bool) -> dict:
