@@ -1,10 +1,12 @@
 """CPU step time of this checkout against another (an older commit's worktree): one
 bench_train step (forward, fused loss, backward, fused Adam) of a preset at the paper's batch per
-GPU, each checkout in processes of its own, taking turns.
+GPU, or with --update the trainer's whole update (fastattn.train.train_step: the step with the
+gradient norm, the NaN guard and the read of its results), each checkout in processes of its own,
+taking turns.
 
     git worktree add /tmp/before <commit>   # and copy fastattn/_C*.so into it if csrc is the same
     .venv/bin/python -m scripts.step_time_before_after /tmp/before [--preset multi30k]
-        [--precision mixed] [--runs 3] [--rounds 25]
+        [--precision mixed] [--update] [--runs 3] [--rounds 25]
 
 Prints each run's median seconds per step, then the median over runs of each checkout and the
 ratio (before / after: > 1, this checkout is faster).
@@ -28,7 +30,7 @@ import torch
 import fastattn.model
 from benchmarks import bench_train
 assert fastattn.model.__file__.startswith(sys.argv[1]), fastattn.model.__file__
-preset, precision, rounds = sys.argv[2], sys.argv[3], int(sys.argv[4])
+preset, precision, rounds, update = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 cfg = bench_train.CONFIGS[preset]
 sentences, src_len, tgt_len = bench_train.BATCH
 generator = torch.Generator().manual_seed(0)
@@ -37,6 +39,13 @@ src, tgt = (torch.randint(1, vocab, (sentences, n), generator=generator)
 torch.manual_seed(0)
 model = fastattn.model.Transformer(cfg).train()
 step = bench_train.training_step(model, (src, tgt[:, :-1], tgt[:, 1:]), precision)
+if update == "update":
+    from fastattn.train import LossModule, train_step
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                 fused=True)
+    dtype = bench_train.low_precision() if precision == "mixed" else None
+    batch = [(src, tgt[:, :-1], tgt[:, 1:])]
+    step = lambda: train_step(LossModule(model), optimizer, batch, autocast_dtype=dtype)
 for _ in range(3):
     step()
 times = []
@@ -53,6 +62,8 @@ def main() -> None:
     parser.add_argument("before", type=Path, help="the other checkout (a git worktree)")
     parser.add_argument("--preset", default="multi30k")
     parser.add_argument("--precision", default="mixed", choices=["fp32", "mixed"])
+    parser.add_argument("--update", action="store_true",
+                        help="time fastattn.train.train_step instead of bench_train's step")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=25)
     args = parser.parse_args()
@@ -61,7 +72,8 @@ def main() -> None:
     for _ in range(args.runs):
         for name, path in checkouts.items():
             out = subprocess.run([sys.executable, "-c", CHILD, str(path), args.preset,
-                                  args.precision, str(args.rounds)], cwd="/", check=True,
+                                  args.precision, str(args.rounds),
+                                  "update" if args.update else "step"], cwd="/", check=True,
                                  capture_output=True, text=True).stdout
             medians[name].append(float(out.split()[-1]))
             print(f"{name} ({path}): {medians[name][-1]:.4f} s per step")
