@@ -276,11 +276,15 @@ class Run:
                 self.epoch, self.epoch_step = self.epoch + 1, 0
             yield [pairs.collate(epoch, i, b) for epoch, i, b in group]
 
-    def finished(self, epoch: int | None = None) -> bool:
-        """Whether the run is over, at the data position `epoch` (the last batches') or now."""
+    def finished(self, until: int | None = None, *, step: int | None = None,
+                 epoch: int | None = None) -> bool:
+        """Whether the run is over (or pauses at update `until`) after update `step`, at the
+        data position `epoch` (the last batches'); by default after the last update read."""
         args = self.args
+        step = self.step if step is None else step
         epoch = self.epoch if epoch is None else epoch
-        return self.step >= args.max_updates or (args.max_epochs > 0 and epoch >= args.max_epochs)
+        return (step >= args.max_updates or (args.max_epochs > 0 and epoch >= args.max_epochs)
+                or (until is not None and step >= until))
 
     def stop_requested(self) -> int | None:
         """The signal that asked the run to stop (signals.deferred), if any; under DDP any
@@ -330,15 +334,14 @@ class Run:
                         self.validate()
                     if applied and self.save_due():
                         self.save()
-                if (self.finished() or (until is not None and self.step >= until)
-                        or self.stop_requested()):
+                if self.finished(until) or self.stop_requested():
                     break
                 in_flight = self.launch(ahead=0)
             if self.bar is not None:
                 self.bar.close()
                 self.bar = None
             stopped = self.stop_requested()
-            at_end = self.finished() or (until is not None and self.step >= until)
+            at_end = self.finished(until)
             saved = None
             if self.step != self.saved_step:  # the last update did not just save
                 saved = self.save(interrupted=bool(stopped) and not at_end)
@@ -363,9 +366,7 @@ class Run:
         args, step = self.args, self.step + 1
         if self.distributed or signals.requested():
             return False
-        return not (step >= args.max_updates or (until is not None and step >= until)
-                    or (args.max_epochs > 0 and self.epoch >= args.max_epochs)
-                    or step == args.bidirectional
+        return not (self.finished(until, step=step) or step == args.bidirectional
                     or (args.eval_every and step % args.eval_every == 0)
                     or self.save_due(step))
 
@@ -395,7 +396,7 @@ class Run:
         window["nll"] += result.nll * result.tokens
         window["tokens"] += result.tokens
         window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in update.batches)
-        if self.step % args.log_every == 0 or self.finished(update.epoch):
+        if self.step % args.log_every == 0 or self.finished(epoch=update.epoch):
             elapsed = time.time() - window["time"]
             loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
             record = {"step": self.step, "epoch": update.epoch, "loss": loss, "nll": nll,
