@@ -6,6 +6,7 @@ compilation on one core the first time (Triton caches them).
     python -m benchmarks.attention_tiles [--kernel _attn_bwd_dkdv] [--head-dim 64] [--json PATH]
     python -m benchmarks.attention_tiles --kernel _attn_fwd --head-dim 256 --tile 32 32 4 2
     python -m benchmarks.attention_tiles --shipped --variant causal   # the launchers' tiles only
+    python -m benchmarks.attention_tiles --shipped --seed-pointers    # dropout seeds via pointers
 
 Prints one line per (kernel, head dim, dtype, variant, tile, arch).
 """
@@ -22,7 +23,7 @@ from dataclasses import asdict
 import torch
 
 from fastattn.kernels import attention
-from fastattn.kernels.compile_report import compile_config
+from fastattn.kernels.compile_report import compile_config, seeds_through_pointers
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) candidates besides the shipped one for the head dim
 # and architecture, which is tried first.
@@ -50,18 +51,23 @@ def main(argv: list[str] | None = None) -> None:
                         help="try this (BLOCK_M, BLOCK_N, warps, stages) instead of the list")
     parser.add_argument("--shipped", action="store_true",
                         help="only the tile the launchers pick (kernels/attention.launch_tile)")
+    parser.add_argument("--seed-pointers", action="store_true",
+                        help="only the variants with dropout, their seeds read through pointers "
+                             "(fastattn.ops.seeds.from_device, for CUDA graphs)")
     parser.add_argument("--json", help="also write the rows as JSON")
     parser.add_argument("--jobs", type=int, default=1, help="compile on this many processes")
     args = parser.parse_args(argv)
+    variants = [v for v in args.variant
+                if attention.VARIANTS[v][3] or not args.seed_pointers]  # [3]: dropout
     work = []
     for name in args.kernel:
-        for d, dtype, variant, arch in itertools.product(args.head_dim, args.dtype, args.variant,
+        for d, dtype, variant, arch in itertools.product(args.head_dim, args.dtype, variants,
                                                           args.arch):
             tiles = [] if args.shipped else [tuple(t) for t in args.tile] if args.tile \
                 else TILES[name]
             shipped = attention.launch_tile(name, d, DTYPES[dtype], arch,
                                             **attention.tile_variant(*attention.VARIANTS[variant]))
-            work += [(name, d, dtype, variant, tile, arch)
+            work += [(name, d, dtype, variant, tile, arch, args.seed_pointers)
                      for tile in dict.fromkeys([shipped, *tiles])]
     if args.jobs <= 1:
         rows = [compile_tile(*item) for item in work]
@@ -74,8 +80,9 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(rows, f, indent=1)
 
 
-def compile_tile(name, d, dtype, variant, tile, arch) -> dict:
-    """Compiles one (kernel, head dim, dtype, variant, tile) for arch; prints, returns its row."""
+def compile_tile(name, d, dtype, variant, tile, arch, seed_pointers=False) -> dict:
+    """Compiles one (kernel, head dim, dtype, variant, tile) for arch (seed_pointers: its dropout
+    seeds read through pointers); prints, returns its row."""
     fn = getattr(attention, name)
     mask, key, causal, dropout = attention.VARIANTS[variant]
     block_m, block_n, warps, stages = tile
@@ -85,6 +92,8 @@ def compile_tile(name, d, dtype, variant, tile, arch) -> dict:
         constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=mask,
                         KEY_MASK=key, CAUSAL=causal, DROPOUT=dropout, DOT_PRECISION="tf32"),
         num_warps=warps, num_stages=stages)
+    if seed_pointers:
+        config = seeds_through_pointers(config)
     result = compile_config(attention.__name__, config, arch)
     matmul = "wgmma" if result.wgmma else "mma" if result.mma else "-"
     print(f"{result.name:<60} sm_{arch}  regs {result.registers:>3}  spill "

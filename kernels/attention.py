@@ -11,7 +11,8 @@ PyTorch paths, the reference) is fastattn.ops.attention.
   (B, H, Lq, Lk). The kernels read broadcast dimensions with stride 0, so a key-padding mask of
   shape (B, 1, 1, Lk) is never expanded in memory.
 - dropout_p: the kernels draw the keep mask as they go from Philox with a (seed, offset) pair,
-  and the backward regenerates the same mask.
+  and the backward regenerates the same mask. The pair comes by value (rng on the CPU), or
+  through pointers when rng lies on the GPU (a table a CUDA graph refills: fastattn.ops.seeds).
 - A query row that may attend to no key returns zeros and passes zero gradients.
 - Q, K, V are read with their strides; O, dQ, dK, dV are written (and dO read) as (B, L, H, D)
   in memory, the projections' layout, so heads split and merge as views (heads_last_empty).
@@ -29,6 +30,8 @@ import inspect
 import torch
 import triton
 import triton.language as tl
+
+from fastattn.kernels.layer_norm import scalar
 
 MAX_HEAD_DIM = 256  # the widest head the block tables cover
 NO_MASK, BOOL_MASK, FLOAT_MASK = 0, 1, 2
@@ -145,7 +148,7 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, 
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["philox_seed", "philox_offset"])
 def _attn_fwd(Q, K, V, Mask, Out, Lse,
               stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
               stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
@@ -165,6 +168,7 @@ def _attn_fwd(Q, K, V, Mask, Out, Lse,
     get Out = 0 and Lse = +inf, which makes every recomputed probability 0 in the backward.
     Causal tiles above the diagonal are never visited; tiles fully inside the allowed region skip
     the bounds and causal checks."""
+    philox_seed, philox_offset = scalar(philox_seed), scalar(philox_offset)
     pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
     h = (bh % H).to(tl.int64)
@@ -232,7 +236,7 @@ def _row_dot(A, B, rows, row_ok, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     return total
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["philox_seed", "philox_offset"])
 def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
                    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                    stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
@@ -251,6 +255,7 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
     past Lk (k = v = 0) changes only its own rows of dK and dV, which are not stored, and a
     query past Lq (q = dO = 0, lse = +inf) has P = 0. dK and dV are laid out alike: rows of
     dk_row_heads heads (_heads_last)."""
+    philox_seed, philox_offset = scalar(philox_seed), scalar(philox_offset)
     pid_n, bh = _block_and_head(tl.cdiv(Lk, BLOCK_N))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
     h = (bh % H).to(tl.int64)
@@ -310,7 +315,7 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
     tl.store(dV + out_ptrs, dv.to(dV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["philox_seed", "philox_offset"])
 def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
                  stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn,
                  stride_vb, stride_vh, stride_vn, stride_mb, stride_mh, stride_mm,
@@ -324,6 +329,7 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
     (causal stops at the diagonal):
         Delta = rowsum(dO * O) = rowsum(P * dP) (with dropout too),
         P = 2^(S - lse * log2 e),  dP = (dO V^T) * Z,  dS = P * (dP - Delta),  dQ = scale * dS K."""
+    philox_seed, philox_offset = scalar(philox_seed), scalar(philox_offset)
     pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
     b = (bh // H).to(tl.int64)  # 64-bit offsets: tensors may exceed 2**31 elements
     h = (bh % H).to(tl.int64)
@@ -376,6 +382,7 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
 def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offset,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Materialises the keep-mask the attention kernels draw, for tests (B*H, Lq, Lk)."""
+    philox_seed, philox_offset = scalar(philox_seed), scalar(philox_offset)
     pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -675,18 +682,26 @@ def _row_heads(g: torch.Tensor) -> int:
     return n_h
 
 
+def _philox_args(rng: torch.Tensor | None, dropout_p: float) -> tuple:
+    """The kernels' (philox_seed, philox_offset) for rng, an int64 (seed, offset): its values
+    when it lies on the CPU (no sync), else pointers to its two elements, which the kernels load."""
+    if dropout_p == 0:
+        return 0, 0
+    return tuple(rng.tolist()) if rng.device.type == "cpu" else (rng, rng[1:])
+
+
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       attn_mask: torch.Tensor | None, rng: torch.Tensor | None, causal: str | None,
                       dropout_p: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, D) heads-last, fp32 log-sum-exp (B, H, Lq)); rng: int64 (seed, offset)
-    on the CPU when dropout_p > 0."""
+    when dropout_p > 0, on the CPU or on q's device (_philox_args)."""
     q, k, v = (unit_last_stride(x) for x in (q, k, v))
     b, h, lq, d = q.shape
     lk = k.shape[2]
     out = heads_last_empty(q)
     lse = torch.empty((b, h, lq), dtype=torch.float32, device=q.device)
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
-    seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
+    seed, offset = _philox_args(rng, dropout_p)
     variant = tile_variant(mask_flags["MASK_KIND"], mask_flags["KEY_MASK"], causal is not None,
                            dropout_p > 0)
     block_m, block_n, num_warps, num_stages = launch_tile("_attn_fwd", d, q.dtype, _sm(q),
@@ -723,7 +738,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         raise ValueError("attention_backward: grads must be shaped like q, k, v, dk laid out "
                          "like dv")
     mask, mask_strides, mask_flags = _mask_args(attn_mask, q, k)
-    seed, offset = rng.tolist() if dropout_p > 0 else (0, 0)
+    seed, offset = _philox_args(rng, dropout_p)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), *mask_strides)
     scalars = (h, lq, lk, causal_shift(causal, lq, lk), scale * LOG2E, scale, dropout_p, seed,
@@ -749,7 +764,7 @@ def attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 def dropout_keep_mask(b: int, h: int, lq: int, lk: int, dropout_p: float, rng: torch.Tensor,
                       device: torch.device) -> torch.Tensor:
     """The bool keep-mask (B, H, Lq, Lk) the attention kernels draw from rng = (seed, offset)."""
-    seed, offset = rng.tolist()
+    seed, offset = _philox_args(rng, dropout_p)
     keep = torch.empty((b, h, lq, lk), dtype=torch.int8, device=device)
     grid = (triton.cdiv(lq, 32) * b * h, triton.cdiv(lk, 32))
     _dropout_keep_mask_kernel[grid](keep, lq, lk, dropout_p, seed, offset, BLOCK_M=32,

@@ -3,6 +3,7 @@ what the hardware would run: registers per thread, spilled bytes, shared memory,
 matrix products became tensor-core instructions (mma on sm_80+, wgmma on sm_90).
 
     python -m fastattn.kernels.compile_report [--arch 80 90 70] [--json PATH] [--jobs N] [--subset]
+                                              [--seed-pointers]
 
 Protocol: each module in KERNEL_MODULES defines
 
@@ -32,6 +33,10 @@ sm_70 is reported for information; sm_80 and sm_90 are the targets the block siz
 --subset compiles a representative part (SUBSET: every kernel at least once, attention's fp16
 tiles at head dims 64 and 128 and an fp32 forward, the model's widths): what CI checks, in about
 a fifth of the time. The full report stays the default.
+
+--seed-pointers compiles the configurations with dropout as the ops launch them inside
+fastattn.ops.seeds.from_device (for CUDA graphs): their seeds read through pointers ("*i64")
+rather than passed by value, the rows named "... seed-pointer".
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ SUBSET = {
     "fastattn.kernels.relu": r" (fp16|bf16)$",
     "fastattn.kernels.embedding": r"_N(512|1024)$",
 }
+
+
+# The kernels' dropout seed arguments (an "i64" in the configurations), and their dropout flags.
+SEED_ARGS = ("seed", "philox_seed", "philox_offset")
+DROPOUT_FLAGS = ("DROPOUT", "HAS_DROPOUT")
 
 
 @dataclass
@@ -123,8 +133,21 @@ def compile_config(module: str, config: dict, arch: int) -> CompiledConfig:
                           wgmma=re.search(r"\bwgmma\.", ptx) is not None)
 
 
-def _compile_one(module_name: str, index: int, arch: int) -> CompiledConfig:
+def seeds_through_pointers(config: dict) -> dict | None:
+    """config with its dropout seeds read through pointers to int64 (fastattn.ops.seeds's device
+    table), or None for a configuration without dropout."""
+    if not any(config["constexprs"].get(flag) for flag in DROPOUT_FLAGS):
+        return None
+    signature = {name: "*i64" if name in SEED_ARGS else kind
+                 for name, kind in config["signature"].items()}
+    return dict(config, name=f"{config['name']} seed-pointer", signature=signature)
+
+
+def _compile_one(module_name: str, index: int, arch: int,
+                 seed_pointers: bool = False) -> CompiledConfig:
     config = importlib.import_module(module_name).compile_configs()[index]
+    if seed_pointers:
+        config = seeds_through_pointers(config)
     return compile_config(module_name, config, arch)
 
 
@@ -141,17 +164,19 @@ def subset_indices(module_name: str, configs: list[dict]) -> list[int]:
 
 
 def collect(modules=KERNEL_MODULES, archs=DEFAULT_ARCHS, jobs: int = 1,
-            subset: bool = False) -> list[CompiledConfig]:
+            subset: bool = False, seed_pointers: bool = False) -> list[CompiledConfig]:
     """Compiles every configuration of every module that defines compile_configs() (subset: the
-    representative ones, subset_indices), on `jobs` worker processes (ptxas is
-    single-threaded)."""
+    representative ones, subset_indices; seed_pointers: only those with dropout, their seeds
+    through pointers), on `jobs` worker processes (ptxas is single-threaded)."""
     work = []
     for module_name in modules:
         module = importlib.import_module(module_name)
         if hasattr(module, "compile_configs"):  # an op without Triton kernels has none
             configs = module.compile_configs()
             indices = subset_indices(module_name, configs) if subset else range(len(configs))
-            work += [(module_name, i, arch) for i in indices for arch in archs
+            if seed_pointers:
+                indices = [i for i in indices if seeds_through_pointers(configs[i])]
+            work += [(module_name, i, arch, seed_pointers) for i in indices for arch in archs
                      if arch in configs[i].get("archs", archs)]
     if jobs <= 1:
         return [_compile_one(*args) for args in work]
@@ -185,10 +210,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="parallel compilations (default: one per CPU)")
     parser.add_argument("--subset", action="store_true",
                         help="only the representative configurations (SUBSET), as CI does")
+    parser.add_argument("--seed-pointers", action="store_true",
+                        help="only the configurations with dropout, their seeds read through "
+                             "pointers (fastattn.ops.seeds.from_device)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("compile_report: unset TRITON_INTERPRET; the interpreter does not compile")
-    results = collect(args.module, args.arch, args.jobs, subset=args.subset)
+    results = collect(args.module, args.arch, args.jobs, subset=args.subset,
+                      seed_pointers=args.seed_pointers)
     print(format_table(results))
     if args.json:
         with open(args.json, "w") as f:

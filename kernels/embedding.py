@@ -11,7 +11,8 @@ each token's rows in order; torch.use_deterministic_algorithms does not flag it)
 index_add_, whose CUDA kernel adds the rows of repeated tokens with atomics.
 
 Dropout draws its keep mask as kernels/layer_norm.py does: Philox keyed by a per-call int64 seed
-passed by value, with the element's (column, row) as the counter; the backward regenerates it.
+passed by value (or through a pointer, under fastattn.ops.seeds.from_device), with the element's
+(column, row) as the counter; the backward regenerates it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastattn.kernels.layer_norm import _keep_mask
+from fastattn.kernels.layer_norm import _keep_mask, scalar
 
 MAX_BLOCK = 1024  # columns per program: 8 fp32 per thread at 4 warps; wider rows take more
 
@@ -38,6 +39,7 @@ def _embedding_fwd_kernel(
     A token outside [0, V) reads row 0 instead and gives a NaN row (training has no range check on a
     GPU, which would sync: the NaN reaches the loss, and the trainer's guard skips the update).
     """
+    seed = scalar(seed)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -67,6 +69,7 @@ def _embedding_bwd_kernel(
     SafeTokens[row] = token, or 0 with a NaN row g for a token outside [0, V): the weight
     gradient's scatter never writes out of bounds, and NaN reaches the gradient norm's guard.
     """
+    seed = scalar(seed)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -91,12 +94,13 @@ def _config(n: int) -> tuple[int, int]:
 
 
 def embedding_forward(
-    tokens: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, seed: int, scale: float,
-    dropout_p: float, copy_dtype: torch.dtype | None = None,
+    tokens: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, seed: int | torch.Tensor,
+    scale: float, dropout_p: float, copy_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y (M, N), y in copy_dtype or empty) for tokens (M,), weight (V, N) and positions (L, N)
     with unit column stride, token row r at position r mod L; y's dtype is weight's and
-    positions' promotion."""
+    positions' promotion. seed: an int, or a one-element int64 tensor on weight's device the
+    kernel reads (fastattn.ops.seeds)."""
     M, (L, N) = tokens.numel(), positions.shape
     y = weight.new_empty((M, N), dtype=torch.promote_types(weight.dtype, positions.dtype))
     y_copy = torch.empty_like(y, dtype=copy_dtype) if copy_dtype else y.new_empty(0)
@@ -110,7 +114,7 @@ def embedding_forward(
 
 
 def embedding_backward(
-    dy: torch.Tensor, dy_copy: torch.Tensor | None, tokens: torch.Tensor, seed: int,
+    dy: torch.Tensor, dy_copy: torch.Tensor | None, tokens: torch.Tensor, seed: int | torch.Tensor,
     num_weights: int, scale: float, dropout_p: float, dtype: torch.dtype,
 ) -> torch.Tensor:
     """The weight gradient (num_weights, N) in `dtype` for contiguous dy (M, N) and dy_copy (the

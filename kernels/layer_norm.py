@@ -15,12 +15,13 @@ of each kernel (`forward_bytes` computes totals, with weight, bias and row stati
     no        yes      no                2e  (4)    dropout 2e+1 + layer_norm 2e      = 4e+1 (9)
 
 Dropout draws its keep mask from Philox keyed by a per-call seed (an int64 the op draws from
-torch's CPU generator, so torch.manual_seed reproduces it, passed by value: no launch, no sync)
-with the element's (column, row) as the counter; the backward regenerates the same mask
-instead of storing it. The backward recomputes the sum from x and residual (both are kept alive
-by the caller anyway) and the saved fp32 mean and rstd; dweight and dbias are summed from fp32
-per-program partials by the launch's last program (kernels/reduction.py: one launch, summed in
-program order, so they are deterministic). Rows
+torch's CPU generator, so torch.manual_seed reproduces it, passed by value: no launch, no sync;
+or, under fastattn.ops.seeds.from_device, a pointer to one in a device table a CUDA graph
+refills, which `scalar` loads) with the element's (column, row) as the counter; the backward
+regenerates the same mask instead of storing it. The backward recomputes the sum from x and
+residual (both are kept alive by the caller anyway) and the saved fp32 mean and rstd; dweight
+and dbias are summed from fp32 per-program partials by the launch's last program
+(kernels/reduction.py: one launch, summed in program order, so they are deterministic). Rows
 wider than BWD_MAX_BLOCK take a two-pass backward over column chunks (the second pass rereads
 the row from L2), so no configuration spills registers.
 """
@@ -34,6 +35,16 @@ import triton.language as tl
 from fastattn.kernels.reduction import arrival_counter, last_program, sum_partials
 
 MAX_FEATURES = 16384  # one row lives in registers; wider rows would spill
+
+
+@triton.jit
+def scalar(x):
+    """x, or the value x points to: seeds come by value, or through a pointer from a table a CUDA
+    graph refills (fastattn.ops.seeds). Shared by every kernel that takes a dropout seed."""
+    x = tl.to_tensor(x)  # a value of 1 arrives as a constexpr where Triton specialises on it
+    if x.dtype.is_ptr():
+        x = tl.load(x)
+    return x
 
 
 @triton.jit
@@ -59,6 +70,7 @@ def _layer_norm_fwd_kernel(
     mean = sum(s) / N,  rstd = 1 / sqrt(sum((s - mean)^2) / N + eps)
     y = (s - mean) * rstd * w + b,  y_copy = y rounded to Y_COPY's dtype (stride_y, too)
     """
+    seed = scalar(seed)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -152,6 +164,7 @@ def _layer_norm_bwd_kernel(
     dW[program] = sum over its rows of dy * xhat,  dB[program] = sum of dy,  dXB[program] = sum
     of dx;  dW = sum over programs of dW[program] (dB, dXB likewise), by the last program
     """
+    seed = scalar(seed)
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -199,6 +212,7 @@ def _layer_norm_bwd_wide_kernel(
     chunks, two passes per row. Pass 1 sums g * xhat and g, and adds dy * xhat, dy to this
     program's own dW, dB partial rows in global memory; pass 2 rereads the row (from L2),
     stores the input gradients and adds dx to the dXB partial row."""
+    seed = scalar(seed)
     pid = tl.program_id(0)
     for start in range(0, N, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
@@ -302,12 +316,13 @@ def separate_dresidual(x: torch.Tensor, residual: torch.Tensor | None, dropout_p
 
 def layer_norm_residual_forward(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
-    bias: torch.Tensor | None, seed: int, eps: float, dropout_p: float,
+    bias: torch.Tensor | None, seed: int | torch.Tensor, eps: float, dropout_p: float,
     return_residual: bool, copy_dtype: torch.dtype | None = None,
     x_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, sum or empty, y in copy_dtype or empty, mean, rstd) for 2-D x and residual with
-    unit column stride; x_bias (N,) is added to x first."""
+    unit column stride; x_bias (N,) is added to x first. seed: an int, or a one-element int64
+    tensor on x's device the kernel reads (fastattn.ops.seeds)."""
     M, N = x.shape
     dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     y = torch.empty((M, N), dtype=dtype, device=x.device)
@@ -331,7 +346,7 @@ def layer_norm_residual_forward(
 
 def layer_norm_residual_backward(
     dy: torch.Tensor, dsum: torch.Tensor | None, x: torch.Tensor, residual: torch.Tensor | None,
-    weight: torch.Tensor | None, has_bias: bool, seed: int, mean: torch.Tensor,
+    weight: torch.Tensor | None, has_bias: bool, seed: int | torch.Tensor, mean: torch.Tensor,
     rstd: torch.Tensor, dropout_p: float, dy_copy: torch.Tensor | None = None,
     x_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

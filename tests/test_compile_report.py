@@ -13,12 +13,13 @@ import sys
 
 import pytest
 
-from fastattn.kernels import attention
+from fastattn.kernels import attention, embedding, layer_norm
 from fastattn.kernels.compile_report import (
     KERNEL_MODULES,
     CompiledConfig,
     _cuobjdump,
     format_table,
+    seeds_through_pointers,
     subset_indices,
 )
 
@@ -155,6 +156,49 @@ def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path):
            if r["spill_bytes"] or r["registers"] >= 255
            or (r["arch"] == 90 and (not r["wgmma"] or r["mma"]))]
     assert not bad, f"spilling, at the cap, or not all wgmma on sm_90: {bad}"
+
+
+@pytest.mark.slow
+def test_dropout_kernels_compile_with_seeds_through_pointers_for_sm90(tmp_path):
+    """Inside fastattn.ops.seeds.from_device (CUDA graphs) the dropout kernels read their seeds
+    through pointers ("*i64"), a specialisation of their own: the subset's configurations of
+    every kernel taking a seed (attention's three, LayerNorm's three, embedding's two) compile so
+    for sm_90 without spilling, attention's on wgmma; and so do the attention kernels the model
+    launches with dropout (head dim 64, bf16, key padding or causal: benchmarks.attention_tiles)."""
+    if not os.path.exists(_cuobjdump()):
+        pytest.skip("Triton's bundled NVIDIA tools (ptxas, cuobjdump) are not installed")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    modules = [module.__name__ for module in (attention, layer_norm, embedding)]
+    report_path, tiles_path = tmp_path / "report.json", tmp_path / "tiles.json"
+    subprocess.run([sys.executable, "-m", "fastattn.kernels.compile_report", "--arch", "90",
+                    "--subset", "--seed-pointers", "--module", *modules, "--jobs", "2",
+                    "--json", str(report_path)], env=env, check=True, timeout=1800,
+                   capture_output=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.attention_tiles", "--shipped",
+                    "--head-dim", "64", "--dtype", "bf16", "--variant", *attention.MODEL_VARIANTS,
+                    "--arch", "90", "--seed-pointers", "--jobs", "2", "--json", str(tiles_path)],
+                   env=env, check=True, timeout=1800, capture_output=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    expected, kernels = set(), set()
+    for module in (attention, layer_norm, embedding):
+        for config in checked_configs(module):
+            if (pointers := seeds_through_pointers(config)) and 90 in config.get("archs", (90,)):
+                expected.add(pointers["name"])
+                kernels.add(config["fn"].__name__)
+    assert kernels == {"_attn_fwd", "_attn_bwd_dq", "_attn_bwd_dkdv", "_layer_norm_fwd_kernel",
+                       "_layer_norm_bwd_kernel", "_layer_norm_bwd_wide_kernel",
+                       "_embedding_fwd_kernel", "_embedding_bwd_kernel"}
+    report = json.loads(report_path.read_text())
+    assert {r["name"] for r in report} == expected
+    tiles = json.loads(tiles_path.read_text())
+    assert len(tiles) == 3 * 2  # three kernels, two variants with dropout
+    rows = report + tiles
+    assert all(r["registers"] > 0 and "seed-pointer" in r["name"] for r in rows)
+    assert [(r["name"], r["spill_bytes"]) for r in rows if r["spill_bytes"]] == []
+    matmuls = tiles + [r for r in report if r["module"] == attention.__name__
+                       and {"fp16", "tf32"} & set(r["name"].split())]
+    assert [r["name"] for r in matmuls if not r["wgmma"] or r["mma"] or r["registers"] >= 255] \
+        == []
 
 
 def test_table_lists_every_column():

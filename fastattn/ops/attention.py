@@ -15,9 +15,10 @@ difference: a query row that may attend to no key at all returns zeros and passe
 - The mask is a constant: no gradient flows to it, also for a float mask that requires grad.
 - Head dims above the Triton kernels' 256 run PyTorch (fastattn._C on CPU where it applies).
 dropout_p is applied on every call (as in PyTorch; pass 0.0 in eval mode); the mask is drawn
-from a (seed, offset) pair taken from torch's default generator and regenerated in the
-backward: by the Triton kernels from Philox, by the CPU kernels from fastattn._C's
-counter-based hash (csrc/dropout.h, the one residual dropout uses).
+from a (seed, offset) pair (fastattn.ops.seeds: from torch's default generator, or a device
+table inside seeds.from_device, for CUDA graphs) and regenerated in the backward: by the Triton
+kernels from Philox, by the CPU kernels from fastattn._C's counter-based hash (csrc/dropout.h,
+the one residual dropout uses).
 
 fastattn.backend.implementation("attention", ...) picks, per call, what runs: "torch" runs
 _attention_torch below (PyTorch's autograd); the others run the torch.library op
@@ -46,6 +47,7 @@ import torch.nn.functional as F
 from fastattn.backend import check_float, implementation
 from fastattn.kernels import attention as kernels
 from fastattn.kernels.attention import MAX_HEAD_DIM, causal_shift, unit_last_stride
+from fastattn.ops import seeds
 from fastattn.ops.layer_norm import seeded_dropout
 
 CAUSAL_ALIGNMENTS = {False: None, True: "top_left", "top_left": "top_left",
@@ -91,12 +93,6 @@ def _without_bf16(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, .
     return tuple(x.float() if x is not None and x.dtype == torch.bfloat16 else x for x in tensors)
 
 
-def _philox_seed_offset() -> torch.Tensor:
-    """A fresh (seed, offset) pair from torch's default CPU generator (so torch.manual_seed
-    reproduces it), kept on the CPU so reading it never synchronises a GPU."""
-    return torch.randint(0, 2**62, (2,), dtype=torch.int64)
-
-
 def _backward_needed(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
@@ -108,11 +104,11 @@ def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> to
     the reference under this mask. The mask does not depend on q's dtype."""
     b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
     if implementation("attention", q.device, torch.float32).startswith("triton"):
-        return kernels.dropout_keep_mask(b, h, lq, lk, dropout_p, _philox_seed_offset(), q.device)
+        return kernels.dropout_keep_mask(b, h, lq, lk, dropout_p, seeds.draw(2), q.device)
     if implementation("dropout", q.device, torch.float32) == "fastattn._C":
         # fastattn._C's mask of row (b H + h) Lq + i, column j, as its attention kernels draw it.
         # An op taking the seed as a tensor, so torch.compile traces this without a break.
-        seed = _philox_seed_offset()[:1]
+        seed = seeds.draw(2)[:1]
         ones = torch.ones(b * h * lq, lk)
         return seeded_dropout(ones, seed, dropout_p).ne(0).view(b, h, lq, lk)
     return torch.rand((b, h, lq, lk), device=q.device) >= dropout_p
@@ -451,7 +447,7 @@ def _attention(q, k, v, causal, attn_mask, dropout_p, scale, packed=None):
     assert not impl.startswith("triton") or q.shape[-1] <= MAX_HEAD_DIM, impl
     if attn_mask is not None:
         attn_mask = attn_mask.detach()  # the op's autograd gives it no gradient anyway
-    rng = _philox_seed_offset() if dropout_p > 0 else None
+    rng = seeds.draw(2) if dropout_p > 0 else None
     if packed is not None:
         return _PackedAttention.apply(*packed, attn_mask, rng, alignment, float(dropout_p), scale,
                                       impl)

@@ -9,7 +9,8 @@ whose CPU registration is the Triton launcher under Triton's interpreter, or els
 reference (for direct calls; its mask comes from torch's generator seeded with the op's seed,
 not from the kernels' Philox). Its backward, fastattn::embedding_bwd, forms the row gradients in
 one kernel and sums them per token with embedding_dense_backward. Dropout randomness comes from
-torch's generator (a per-call seed), so torch.manual_seed reproduces it.
+a per-call seed (fastattn.ops.seeds: torch's generator, so torch.manual_seed reproduces it, or a
+device table inside seeds.from_device, for CUDA graphs).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 
 from fastattn.backend import check_float, implementation
 from fastattn.kernels import embedding as kernels
-from fastattn.ops.layer_norm import _contiguous, _draw_seed, _seed_value, dropout
+from fastattn.ops import seeds
+from fastattn.ops.layer_norm import _contiguous, dropout
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -34,7 +36,7 @@ def _reference_keep(seed: torch.Tensor | None, shape: tuple[int, ...], dropout_p
     """The CPU reference kernels' keep mask: torch's generator seeded with the op's seed."""
     if dropout_p == 0:
         return None
-    generator = torch.Generator().manual_seed(_seed_value(seed))
+    generator = torch.Generator().manual_seed(int(seed))
     return torch.rand(shape, generator=generator) >= dropout_p
 
 
@@ -50,8 +52,8 @@ def _embedding_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y (M, N), y in copy_dtype or empty) for tokens (M,), weight (V, N) and positions (L, N)
     with unit column stride; token row r is at position r mod L."""
-    return kernels.embedding_forward(tokens, weight, positions, _seed_value(seed), scale,
-                                     dropout_p, copy_dtype)
+    return kernels.embedding_forward(tokens, weight, positions, seeds.kernel_argument(seed),
+                                     scale, dropout_p, copy_dtype)
 
 
 @_embedding_fwd.register_kernel("cpu")
@@ -60,11 +62,11 @@ def _(tokens, weight, positions, seed, scale, dropout_p, copy_dtype):
         if torch.bfloat16 in (weight.dtype, positions.dtype, copy_dtype):
             # The interpreter has no bf16 (it reads the raw bits): float32 copies, rounded after.
             y, _ = kernels.embedding_forward(tokens, weight.float(), positions.float(),
-                                             _seed_value(seed), scale, dropout_p)
+                                             seeds.kernel_argument(seed), scale, dropout_p)
             y = y.to(torch.promote_types(weight.dtype, positions.dtype))
             return y, y.to(copy_dtype) if copy_dtype else y.new_empty(0)
-        return kernels.embedding_forward(tokens, weight, positions, _seed_value(seed), scale,
-                                         dropout_p, copy_dtype)
+        return kernels.embedding_forward(tokens, weight, positions, seeds.kernel_argument(seed),
+                                         scale, dropout_p, copy_dtype)
     rows = positions.repeat(len(tokens) // len(positions), 1)  # each token row's position
     keep = _reference_keep(seed, rows.shape, dropout_p)
     y = embedding_reference(tokens, weight, rows, scale, keep, dropout_p)
@@ -92,7 +94,8 @@ def _embedding_bwd(
     """The weight gradient (num_weights, N) in `dtype` from dy (M, N) and dy_copy (the gradient
     of y's copy, added to dy's in float32)."""
     return kernels.embedding_backward(dy.contiguous(), _contiguous(dy_copy), tokens,
-                                      _seed_value(seed), num_weights, scale, dropout_p, dtype)
+                                      seeds.kernel_argument(seed), num_weights, scale, dropout_p,
+                                      dtype)
 
 
 @_embedding_bwd.register_kernel("cpu")
@@ -102,10 +105,11 @@ def _(dy, dy_copy, tokens, seed, num_weights, scale, dropout_p, dtype):
             # The interpreter has no bf16: float32 copies, rounded after.
             return kernels.embedding_backward(
                 dy.float().contiguous(), None if dy_copy is None else dy_copy.float(), tokens,
-                _seed_value(seed), num_weights, scale, dropout_p, torch.float32).to(dtype)
+                seeds.kernel_argument(seed), num_weights, scale, dropout_p,
+                torch.float32).to(dtype)
         return kernels.embedding_backward(dy.contiguous(), _contiguous(dy_copy), tokens,
-                                          _seed_value(seed), num_weights, scale, dropout_p,
-                                          dtype)
+                                          seeds.kernel_argument(seed), num_weights, scale,
+                                          dropout_p, dtype)
     g = dy.to(torch.promote_types(dy.dtype, torch.float32))  # float64 stays float64
     if dy_copy is not None:
         g = g + dy_copy
@@ -208,7 +212,7 @@ def embedding(
             and not 0 <= tokens.min() <= tokens.max() < len(weight)):
         raise IndexError(f"embedding: token ids must be in [0, {len(weight)}), got "
                          f"{int(tokens.min())} .. {int(tokens.max())}")
-    seed = _draw_seed() if dropout_p > 0 else None
+    seed = seeds.draw(1) if dropout_p > 0 else None
     y, y_copy = _embedding_fwd(
         tokens.reshape(-1).contiguous(), weight if weight.stride(1) == 1 else weight.contiguous(),
         positions.contiguous(), seed, scale, dropout_p, copy_dtype,

@@ -5,8 +5,9 @@ fastattn.backend.implementation("layer_norm_residual", ...) picks what runs: "to
 dropout(), an add and F.layer_norm (PyTorch's autograd); the others run the torch.library op
 fastattn::layer_norm_residual_fwd, whose CUDA registration is the Triton launcher and whose CPU
 registration is fastattn._C's one-pass kernel (csrc/layer_norm.cpp, float32 inside), or the
-Triton launcher under Triton's interpreter. Dropout randomness comes from torch's generator
-(a per-call seed), so torch.manual_seed reproduces it.
+Triton launcher under Triton's interpreter. Dropout randomness comes from a per-call seed
+(fastattn.ops.seeds: torch's generator, so torch.manual_seed reproduces it, or a device table
+inside seeds.from_device, for CUDA graphs).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from fastattn.backend import check_float, implementation, native_reads_as_is
 from fastattn.kernels import layer_norm as kernels
 from fastattn.kernels.layer_norm import MAX_FEATURES, separate_dresidual
+from fastattn.ops import seeds
 
 
 def _impl(x: torch.Tensor, residual: torch.Tensor | None, *params: torch.Tensor | None) -> str:
@@ -41,18 +43,19 @@ def _layer_norm_residual_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, sum or empty, y in copy_dtype or empty, mean, rstd) for 2-D x and residual with
     unit column stride; x_bias (N,) is added to x first."""
-    return kernels.layer_norm_residual_forward(x, residual, weight, bias, _seed_value(seed), eps,
-                                               dropout_p, return_residual, copy_dtype, x_bias)
+    return kernels.layer_norm_residual_forward(x, residual, weight, bias,
+                                               seeds.kernel_argument(seed), eps, dropout_p,
+                                               return_residual, copy_dtype, x_bias)
 
 
 @_layer_norm_residual_fwd.register_kernel("cpu")
 def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual, copy_dtype, x_bias):
     if _impl(x, residual, weight, bias) == "triton-interpreter":  # the one override
-        return kernels.layer_norm_residual_forward(x, residual, weight, bias, _seed_value(seed),
-                                                   eps, dropout_p, return_residual, copy_dtype,
-                                                   x_bias)
+        return kernels.layer_norm_residual_forward(x, residual, weight, bias,
+                                                   seeds.kernel_argument(seed), eps, dropout_p,
+                                                   return_residual, copy_dtype, x_bias)
     y, s, mean, rstd = torch.ops.fastattn.cpu_layer_norm_residual_fwd(
-        _with_bias(x, x_bias), residual, weight, bias, _seed_value(seed), eps, dropout_p,
+        _with_bias(x, x_bias), residual, weight, bias, _cpu_seed(seed), eps, dropout_p,
         return_residual,
     )
     return y, s, y.to(copy_dtype) if copy_dtype else y.new_empty(0), mean, rstd
@@ -93,8 +96,9 @@ def _layer_norm_residual_bwd(
     empty); dy_copy is the gradient of y's copy, added to dy's; dresidual is empty when it
     equals dx (custom ops may not return aliases)."""
     return kernels.layer_norm_residual_backward(dy.contiguous(), _contiguous(dsum), x, residual,
-                                                weight, has_bias, _seed_value(seed), mean, rstd,
-                                                dropout_p, _contiguous(dy_copy), x_bias)
+                                                weight, has_bias, seeds.kernel_argument(seed),
+                                                mean, rstd, dropout_p, _contiguous(dy_copy),
+                                                x_bias)
 
 
 @_layer_norm_residual_bwd.register_kernel("cpu")
@@ -102,13 +106,13 @@ def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p, dy_c
     dy, dsum = dy.contiguous(), _contiguous(dsum)
     if _impl(x, residual, weight) == "triton-interpreter":
         return kernels.layer_norm_residual_backward(dy, dsum, x, residual, weight, has_bias,
-                                                    _seed_value(seed), mean, rstd, dropout_p,
-                                                    _contiguous(dy_copy), x_bias)
+                                                    seeds.kernel_argument(seed), mean, rstd,
+                                                    dropout_p, _contiguous(dy_copy), x_bias)
     y_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     # What autograd would do for y's two uses: cast the copy's gradient back, add the two.
     dy = dy.to(y_dtype) if dy_copy is None else dy + dy_copy
     dx, dr, dw, db = torch.ops.fastattn.cpu_layer_norm_residual_bwd(
-        dy, dsum, _with_bias(x, x_bias), residual, weight, has_bias, _seed_value(seed), mean,
+        dy, dsum, _with_bias(x, x_bias), residual, weight, has_bias, _cpu_seed(seed), mean,
         rstd, dropout_p,
     )
     dxb = dx.new_empty(0) if x_bias is None else dx.sum(0, dtype=torch.float32).to(x_bias.dtype)
@@ -176,15 +180,9 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def _draw_seed() -> torch.Tensor:
-    """A fresh dropout seed from torch's default CPU generator (torch.manual_seed reproduces it),
-    kept on the CPU for every device: kernels take it by value, so a GPU op neither launches a
-    kernel to draw it nor synchronises to read it (as attention's (seed, offset) pair)."""
-    return torch.randint(0, 2**62, (1,), dtype=torch.int64)
-
-
-def _seed_value(seed: torch.Tensor | None) -> int:
-    return 0 if seed is None else int(seed)  # a CPU tensor: no sync
+def _cpu_seed(seed: torch.Tensor | None) -> int:
+    """The seed's value for fastattn._C's CPU kernels (0 without dropout)."""
+    return 0 if seed is None else int(seed)
 
 
 @torch.library.custom_op("fastattn::seeded_dropout", mutates_args=(), device_types="cpu")
@@ -225,7 +223,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     if x.device.type != "cpu":
         return F.dropout(x, p, training)
     if implementation("dropout", x.device, x.dtype) == "fastattn._C":
-        return seeded_dropout(x.float(), _draw_seed(), p).to(x.dtype)
+        return seeded_dropout(x.float(), seeds.draw(1), p).to(x.dtype)
     return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
 
 
@@ -308,7 +306,7 @@ def layer_norm_residual(
             f"layer_norm_residual's Triton kernel supports at most {MAX_FEATURES} features per "
             f"row, got {N}"
         )
-    seed = _draw_seed() if dropout_p > 0 else None
+    seed = seeds.draw(1) if dropout_p > 0 else None
     y, s, y_copy, _, _ = _layer_norm_residual_fwd(
         _rows(x), _rows(residual), _contiguous(weight), _contiguous(bias), seed, eps, dropout_p,
         return_residual, copy_dtype, _contiguous(x_bias),
