@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 import fastattn
 from fastattn import ops
-from fastattn.train.step import LossModule, launch_step
+from fastattn.train.graphs import GraphedUpdate
+from fastattn.train.step import LossModule, PendingStep, launch_step
 
 PAPER_STEP_SECONDS = {"base": 0.4, "big": 1.0}  # 8 P100s, about 25k + 25k tokens per step
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense, datasheets
@@ -193,7 +194,8 @@ def fused_speed(check: Check) -> list[dict[str, Any]]:
 
 
 def training(check: Check) -> list[dict[str, Any]]:
-    return [training_step(check, preset) for preset in ("base", "big")]
+    presets = ("base",) if check.dry_run else ("base", "big")  # the same tiny model dry
+    return [graphs_match(check), *(training_step(check, preset) for preset in presets)]
 
 
 def training_step(check: Check, preset: str) -> dict[str, Any]:
@@ -205,7 +207,7 @@ def training_step(check: Check, preset: str) -> dict[str, Any]:
     model = fastattn.Transformer(cfg).to(dev)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
                                  fused=True)
-    b, length = (4, 9) if check.dry_run else (125, 25)  # the paper's 3,125 + 3,125 per GPU
+    b, length = (8, 8) if check.dry_run else (125, 25)  # the paper's 3,125 + 3,125 per GPU
     src = torch.randint(4, cfg.vocab_size, (b, length))
     tgt = torch.randint(4, cfg.vocab_size, (b, length + 1))
     # The trainer's update as it runs it: host batches copied in, bf16 autocast on a GPU, the
@@ -216,18 +218,9 @@ def training_step(check: Check, preset: str) -> dict[str, Any]:
     def step() -> None:
         update().result()
 
-    n = 2 if check.dry_run else 8
-
-    def updates() -> None:  # the trainer's loop: update i+1 launched before i is read
-        pending = update()
-        for _ in range(n - 1):
-            launched = update()
-            pending.result()
-            pending = launched
-        pending.result()
-
-    t = seconds(step, dev, budget=0.5 if check.dry_run else 5.0)
-    t_loop = seconds(updates, dev, budget=0.5 if check.dry_run else 5.0) / n
+    n, budget = (2, 0.5) if check.dry_run else (8, 5.0)
+    t = seconds(step, dev, budget=budget)
+    t_loop = seconds(partial(in_loop, update, n), dev, budget=budget) / n
     launches = busy = syncs = None
     if dev.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -249,7 +242,7 @@ def training_step(check: Check, preset: str) -> dict[str, Any]:
                 torch.cuda.set_sync_debug_mode("default")
         pending.result()
         syncs = sum("synchroniz" in str(w.message) for w in caught)
-    graphed = graph_speedup(check, cfg, (src, tgt[:, :-1], tgt[:, 1:]))
+    graphed = graphed_loop(check, model, [(src, tgt[:, :-1], tgt[:, 1:])], n, budget)
     params = sum(p.numel() for p in model.parameters())
     flop = 6 * params * b * length  # the usual 6 N per token, attention's small share aside
     peak = next((v for k, v in PEAK_BF16.items() if k in device_name(check)), None)
@@ -259,44 +252,79 @@ def training_step(check: Check, preset: str) -> dict[str, Any]:
                 mfu=flop / t_loop / peak if peak else None, **graphed)
 
 
-def graph_speedup(check: Check, cfg: fastattn.TransformerConfig,
-                  batch: tuple[torch.Tensor, ...]) -> dict[str, Any]:
-    """The update captured as one CUDA graph against the same update launched op by op: what a
-    --cuda-graphs trainer could gain (issue 49). Dropout off: the kernels take their dropout
-    seeds by value from the CPU generator, which a graph would freeze. GPU only; a capture that
-    fails is reported, not raised."""
+def in_loop(update: Callable[[], PendingStep], n: int) -> None:
+    """n updates as the trainer's loop runs them: update i+1 launched before i is read."""
+    pending = update()
+    for _ in range(n - 1):
+        launched = update()
+        pending.result()
+        pending = launched
+    pending.result()
+
+
+def graphed_loop(check: Check, model: torch.nn.Module, batches: list[tuple[torch.Tensor, ...]],
+                 n: int, budget: float) -> dict[str, Any]:
+    """The same updates replayed from CUDA graphs (--cuda-graphs, dropout on) in the trainer's
+    loop, on a copy of the model; a capture that fails is reported, not raised."""
     dev = check.device
-    if dev.type != "cuda":
-        return dict(eager_nodrop_s=None, graph_nodrop_s=None, graph_error=None)
+    copy = fastattn.Transformer(model.cfg).to(dev)
+    copy.load_state_dict(model.state_dict())
+    optimizer = torch.optim.Adam(copy.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9,
+                                 fused=True)
     try:
-        model = fastattn.Transformer(replace(cfg, dropout=0.0)).to(dev)
-        optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(1e-4, device=dev),
-                                     betas=(0.9, 0.98), eps=1e-9, fused=True, capturable=True)
-        src, tgt_in, tgt_out = (t.to(dev) for t in batch)
-        tokens = int((batch[2] != cfg.pad_id).sum())
-
-        def update() -> None:  # autocast's cast cache cannot outlive a capture
-            with torch.autocast("cuda", torch.bfloat16, cache_enabled=False):
-                loss = model.loss(src, tgt_in, tgt_out, reduction="sum", tokens=tokens)
-            (loss / tokens).backward()
-            optimizer.step()
-
-        def eager() -> None:
-            update()
-            optimizer.zero_grad(set_to_none=True)
-
-        eager_s = seconds(eager, dev, budget=2.0)
-        side = torch.cuda.Stream(dev)  # warm-up off the default stream, as capture requires
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                eager()
-        torch.cuda.current_stream(dev).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # the gradients it makes stay the graph's: no zero_grad
-            update()
-        graph_s = seconds(graph.replay, dev, budget=2.0)
-        return dict(eager_nodrop_s=eager_s, graph_nodrop_s=graph_s, graph_error=None)
+        graphed = GraphedUpdate(LossModule(copy), optimizer,
+                                autocast_dtype=torch.bfloat16 if dev.type == "cuda" else None)
+        t = seconds(partial(in_loop, partial(graphed.launch, batches, 1e-4), n), dev,
+                    budget=budget) / n
+        return dict(graphed_in_loop_s=t, graph_error=None)
     except Exception as e:  # what stops capture is the finding
-        return dict(eager_nodrop_s=None, graph_nodrop_s=None,
+        return dict(graphed_in_loop_s=None,
                     graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+
+
+def graphs_match(check: Check) -> dict[str, Any]:
+    """--cuda-graphs' updates against launch_step's from one model, in fp32 without dropout
+    and with SGD (its update is the gradient): three updates over micro-batches of two shapes,
+    each coming again (replays). Then with dropout, one batch twice at learning rate 0: new
+    dropout masks on the replay, so two losses."""
+    dev = check.device
+    cfg = replace(fastattn.PRESETS["base"], vocab_size=1000, encoder_layers=2, decoder_layers=2,
+                  dropout=0.0)
+    if check.dry_run:
+        cfg = replace(cfg, vocab_size=97, encoder_layers=1, decoder_layers=1, d_model=32, d_ff=64,
+                      heads=2)
+    generator = torch.Generator().manual_seed(1)
+
+    def batch(rows: int, src_len: int, tgt_len: int) -> tuple[torch.Tensor, ...]:
+        src = torch.randint(4, cfg.vocab_size, (rows, src_len), generator=generator)
+        tgt = torch.randint(4, cfg.vocab_size, (rows, tgt_len + 1), generator=generator)
+        src[-1, src_len // 2:] = tgt[-1, tgt_len // 2 + 1:] = cfg.pad_id  # padding too
+        return src, tgt[:, :-1], tgt[:, 1:]
+
+    a, b = ((5, 7, 9), (16, 12, 13)) if not check.dry_run else ((2, 5, 6), (3, 9, 4))
+    updates = [[batch(*a)], [batch(*b), batch(*a)], [batch(*b)]]
+    models = [fastattn.Transformer(cfg).to(dev)]
+    models.append(fastattn.Transformer(cfg).to(dev))
+    models[1].load_state_dict(models[0].state_dict())
+    start = torch.nn.utils.parameters_to_vector(models[0].parameters()).detach().clone()
+    eager_opt, graphed_opt = (torch.optim.SGD(m.parameters(), lr=0.1, fused=True)
+                              for m in models)
+    graphed = GraphedUpdate(LossModule(models[1]), graphed_opt)
+    worst = 0.0
+    for batches in updates:
+        want = launch_step(LossModule(models[0]), eager_opt, batches).result()
+        got = graphed.launch(batches, 0.1).result()
+        for name in ("loss", "nll", "grad_norm"):
+            x, y = getattr(got, name), getattr(want, name)
+            worst = max(worst, abs(x - y) / abs(y))
+    eager_moved, graphed_moved = (torch.nn.utils.parameters_to_vector(m.parameters()).detach()
+                                  - start for m in models)
+    moved = float((graphed_moved - eager_moved).norm() / eager_moved.norm())
+    dropout_model = fastattn.Transformer(replace(cfg, dropout=0.1)).to(dev)
+    dropout = GraphedUpdate(LossModule(dropout_model),
+                            torch.optim.SGD(dropout_model.parameters(), lr=0.0, fused=True))
+    first, replayed = (dropout.launch(updates[0], 0.0).result().loss for _ in range(2))
+    passed = worst < 1e-3 and moved < 1e-2 and first != replayed
+    return dict(case="--cuda-graphs updates = launch_step's", shapes=len(graphed.micro_batches),
+                worst_rel_error=worst, update_rel_error=moved,
+                dropout_losses_differ=first != replayed, passed=passed)

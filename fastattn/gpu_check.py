@@ -13,11 +13,12 @@ under --out) is rewritten as each one ends, so a run cut short keeps what it mea
                 installed: ms and TFLOP/s, forward and forward + backward
   fused         LayerNorm + residual, cross-entropy and linear cross-entropy against eager
                 PyTorch: ms, GB/s, peak memory
-  training      base and big training updates as the trainer runs them (launch_step): time
-                read at once and in the trainer's loop (the next launched before the last is
-                read), launches, host syncs (CUDA's sync debug mode), GPU-busy fraction, MFU,
-                beside the paper's 0.4 s and 1.0 s (8 P100s); without dropout, the update as
-                one CUDA graph against the same launched op by op (what --cuda-graphs could gain)
+  training      --cuda-graphs' updates against launch_step's (equal, and new dropout masks on
+                each replay); base and big training updates as the trainer runs them
+                (launch_step): time read at once and in the trainer's loop (the next launched
+                before the last is read), launches, host syncs (CUDA's sync debug mode),
+                GPU-busy fraction, MFU, beside the paper's 0.4 s and 1.0 s (8 P100s); and the
+                loop's time replayed from CUDA graphs (--cuda-graphs)
   decoding      beam search on the GPU against the CPU: the same translations
   registers     registers and spills of every kernel the JIT built, against the compile report
 

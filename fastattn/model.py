@@ -633,19 +633,27 @@ class Transformer(nn.Module):
         return weight if self.cfg.output_size == len(weight) else weight[:self.cfg.output_size]
 
     def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, reduction: str = "mean",
-             return_nll: bool = False, tokens: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
+             return_nll: bool = False, tokens: int | None = None, every_position: bool = False
+             ) -> Tensor | tuple[Tensor, Tensor]:
         """The label-smoothed cross-entropy (ε_ls from the config) of tgt_out (B, T), tgt_in
         shifted by one, over its non-padding tokens: "mean" per token or "sum". Projection and
         loss are one fused op, so the (tokens × vocabulary) logits are never materialised.
         With return_nll, also the unsmoothed negative log-likelihood reduced the same way
         (without gradient; exp of its mean is the perplexity). `tokens`: tgt_out's non-padding
-        count if known, which spares a GPU a host sync (fastattn.tokens.non_padding)."""
+        count if known, which spares a GPU a host sync (fastattn.tokens.non_padding).
+        every_position: project every position, padding too, which the loss then ignores: the
+        same value, with shapes that depend on the batch's shape alone (a CUDA graph's need;
+        fastattn.train.graphs), where by default padding costs no projection."""
         check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
         hidden = self.hidden(src, tgt_in).input
-        real = non_padding(tgt_out, self.cfg.pad_id, tokens)  # padding costs no projection
+        if every_position:
+            hidden, targets = hidden.flatten(0, 1), tgt_out.flatten()
+        else:
+            real = non_padding(tgt_out, self.cfg.pad_id, tokens)
+            hidden, targets = rows(hidden, real), rows(tgt_out, real)
         return ops.linear_cross_entropy(
-            rows(hidden, real), self.output_weight, rows(tgt_out, real),
-            smoothing=self.cfg.label_smoothing, reduction=reduction, return_nll=return_nll,
+            hidden, self.output_weight, targets, smoothing=self.cfg.label_smoothing,
+            ignore_index=self.cfg.pad_id, reduction=reduction, return_nll=return_nll,
         )
 
     def rdrop_loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, alpha: float, *,

@@ -215,6 +215,13 @@ def test_bf16_matmul_speedup_is_a_measured_ratio():
         (["--preset", "base", "--d-model", "100"], "--d-model 100 must be divisible by --heads 8"),
         (["--output-vocab", "target", "--bpe-dropout", "0.1"],
          "--output-vocab target needs the text's own segmentation"),
+        (["--cuda-graphs", "--device", "cpu"], "--cuda-graphs needs a GPU (--device cuda)"),
+        (["--cuda-graphs", "--device", "cuda", "--precision", "fp16"],
+         "--cuda-graphs: fp16's loss scaling is not graphed"),
+        (["--cuda-graphs", "--device", "cuda", "--rdrop", "1"],
+         "--cuda-graphs: R-Drop's loss is not graphed"),
+        (["--cuda-graphs", "--device", "cuda", "--bpe-dropout", "0.1"],
+         "--cuda-graphs: --bpe-dropout gives batches new shapes every epoch"),
     ],
 )
 def test_bad_flags(argv, message, capsys):

@@ -96,7 +96,8 @@ class TrainConfig:
     metrics: str
     plot: str | None
     no_progress: bool
-    overwrite: bool = False  # a flag, but with a default: configs saved before it lack it
+    overwrite: bool = False  # flags with defaults: configs saved before them lack them
+    cuda_graphs: bool = False
     # not flags
     given: tuple[str, ...] = ()
     """The flags given on the command line, told apart from defaults (--resume compares them)."""

@@ -134,6 +134,10 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         help="CPU threads per process (0: torch's choice, shared among the processes of --jobs)")
     add(g, "--device", default="auto", choices=["auto", "cpu", "cuda"],
         help="cuda: the GPU of LOCAL_RANK under torchrun, else the first")
+    add(g, "--cuda-graphs", action="store_true",
+        help="replay each update from CUDA graphs, one per batch shape (token buckets repeat "
+        "theirs every epoch): a few launches per micro-batch instead of about 400, for a GPU "
+        "that outruns the host; one process on a GPU, bf16 or fp32, no --rdrop or --bpe-dropout")
 
     g = parser.add_argument_group("checkpoints")
     add(g, "--save-dir", default="checkpoints/{data}-{src}-{tgt}",
@@ -271,6 +275,20 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.resume and args.overwrite:
         parser.error("--resume continues the run in --save-dir, --overwrite deletes it: give "
                      "one of them")
+    if args.cuda_graphs:
+        if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+            parser.error("--cuda-graphs needs a GPU (--device cuda)")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            parser.error("--cuda-graphs trains in one process: DDP's updates under torchrun "
+                         "are not graphed")
+        if args.precision == "fp16":
+            parser.error("--cuda-graphs: fp16's loss scaling is not graphed; use --precision "
+                         "bf16 or fp32")
+        if args.rdrop:
+            parser.error("--cuda-graphs: R-Drop's loss is not graphed; drop one of the two")
+        if args.bpe_dropout:
+            parser.error("--cuda-graphs: --bpe-dropout gives batches new shapes every epoch, "
+                         "and each shape its own graph; drop one of the two")
     if args.keep < args.average_last:
         parser.error(f"--keep {args.keep} must be at least --average-last {args.average_last}")
 

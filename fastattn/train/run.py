@@ -29,6 +29,7 @@ from fastattn.train.config import (
 )
 from fastattn.train.corpus import prepare_corpus
 from fastattn.train.evaluation import bleu_scores, dev_loss, translate
+from fastattn.train.graphs import GraphedUpdate
 from fastattn.train.pairs import TrainingPairs
 from fastattn.train.precision import choose_precision
 from fastattn.train.savedir import WriteError
@@ -155,6 +156,13 @@ class Run:
             self.trainer = DistributedDataParallel(loss_module, device_ids=devices)
         else:
             self.trainer = loss_module
+        self.graphed = None
+        if args.cuda_graphs:
+            if self.scaler is not None:
+                raise SystemExit("error: --cuda-graphs: fp16's loss scaling is not graphed; use "
+                                 "--precision bf16 or fp32")
+            self.graphed = GraphedUpdate(loss_module, self.optimizer,
+                                         autocast_dtype=self.autocast, clip_norm=args.clip_norm)
         self.last_save = time.time()
 
     def map_outside_targets(self, output_size: int) -> None:
@@ -353,6 +361,8 @@ class Run:
         batches = next(self.batches)
         lr = learning_rate(self.step + 1 + ahead, self.config.d_model, self.args.warmup,
                            self.args.lr_scale)
+        if self.graphed is not None:
+            return InFlight(self.graphed.launch(batches, lr), batches, lr, self.epoch)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         pending = launch_step(self.trainer, self.optimizer, batches, autocast_dtype=self.autocast,

@@ -167,10 +167,13 @@ class LossModule(torch.nn.Module):
         self.pad_id = model.cfg.pad_id
 
     def forward(self, source: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor,
-                tokens: int | None = None):
-        """`tokens`: the batch's non-padding targets, if known (Transformer.loss)."""
+                tokens: int | None = None, every_position: bool = False):
+        """`tokens`: the batch's non-padding targets, if known; every_position: as in
+        Transformer.loss (not with R-Drop)."""
         if self.rdrop:
+            if every_position:
+                raise ValueError("R-Drop's loss projects the non-padding positions only")
             return self.model.rdrop_loss(source, inputs, targets, self.rdrop, reduction="sum",
                                          return_nll=True, tokens=tokens)
         return self.model.loss(source, inputs, targets, reduction="sum", return_nll=True,
-                               tokens=tokens)
+                               tokens=tokens, every_position=every_position)
