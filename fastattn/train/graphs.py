@@ -125,19 +125,20 @@ class GraphedUpdate:
         self.sums += torch.stack([loss.detach(), nll.detach()]).double()
 
     def _end(self) -> None:
-        """Clipping, the NaN/inf guard and Adam (launch_step's end), then zeroes the sums."""
+        """Clipping, the NaN/inf guard and the optimiser's step (launch_step's end), then
+        zeroes the gradients and the sums in place."""
         if self.clip_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.params])
         self.values.copy_(torch.cat([self.sums, grad_norm.double().reshape(1)]))
-        # The fused Adam skips the update when found_inf is 1 (launch_step's guard).
+        # The fused optimiser skips the update when found_inf is 1 (launch_step's guard).
         self.optimizer.found_inf = (self.values - self.values).sum(dtype=torch.float32).ne_(0)
         try:
             self.optimizer.step()
         finally:
             del self.optimizer.found_inf
-        torch._foreach_zero_([p.grad for p in self.params])
+        self.optimizer.zero_grad(set_to_none=False)  # the graphs hold these tensors
         self.sums.zero_()
 
     def _warm_and_capture(self, work: Callable[[], None]) -> Callable[[], None]:
