@@ -9,8 +9,8 @@ The backend override, read from FASTATTN_BACKEND at import and changed with set_
 "auto" (the default) picks per device as documented in `implementation`; "triton" runs the
 Triton kernels everywhere, on CPU tensors through the interpreter, which only works if
 TRITON_INTERPRET=1 was set before triton was imported; "torch" runs PyTorch everywhere, except
-that fastattn._C's CPU kernels still run where they apply. This is the only global state in
-fastattn.
+that fastattn._C's CPU kernels still run where they apply. Besides the seed table that
+fastattn.ops.seeds.from_device sets for a block, this is the only global state in fastattn.
 """
 
 from __future__ import annotations
