@@ -3,13 +3,16 @@ big models on the CUDA dispatch path, counted on a machine without a GPU (issue 
 
     python -m benchmarks.launches                  # base and big, the paper's batch per GPU
     python -m benchmarks.launches --preset base --sentences 125 --length 25 --json out.json
+    python -m benchmarks.launches --cuda-graphs    # the trainer's --cuda-graphs update
 
 How: the model, its batch and the optimiser state are meta tensors (shapes and dtypes, no data),
 and fastattn's dispatch answers for them what it answers for CUDA tensors (the Triton kernels).
 A TorchDispatchMode sees every ATen op below autograd, forward and backward, and fastattn's own
 ops, whose CUDA implementations it runs (their launchers and matrix products) with Triton's
 launch replaced by a count. launch_step (fastattn.train.step) runs as the trainer runs it, with
-fused Adam, bf16 autocast and one micro-batch, and then its result is read.
+fused Adam, bf16 autocast and one micro-batch, and then its result is read. With --cuda-graphs,
+GraphedUpdate (fastattn.train.graphs) runs instead: what each graph's capture records, and what
+an update launches around the replays (trace_graphed).
 
 What counts, per op call:
 - a launch: every ATen op that is not a view, an allocation or a metadata query (each is one CUDA
@@ -46,7 +49,7 @@ import json
 import math
 import traceback
 import types
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -59,6 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fastattn import backend
 from fastattn.kernels.reduction import arrival_counter
 from fastattn.model import PRESETS, Transformer
+from fastattn.train.graphs import GraphedUpdate
 from fastattn.train.step import LossModule, launch_step
 
 aten = torch.ops.aten
@@ -98,13 +102,14 @@ class Counts:
     launches: Counter = field(default_factory=Counter)  # op name -> launches
     syncs: Counter = field(default_factory=Counter)  # "reason at file:line" -> count
     copied: Counter = field(default_factory=Counter)  # op name -> bytes written
-    h2d: int = 0
+    h2d: Counter = field(default_factory=Counter)  # phase -> host-to-device copies
     event_waits: Counter = field(default_factory=Counter)  # "phase at file:line" -> count
     # The micro-batch (forward and backward) until its backward returns, then the update's end
     # (gradient norm, optimiser, the read of the results): launches and syncs per phase.
     phase: str = "micro-batch"
     phase_launches: Counter = field(default_factory=Counter)
     phase_syncs: Counter = field(default_factory=Counter)
+    phase_ops: defaultdict = field(default_factory=lambda: defaultdict(Counter))
 
     def total(self) -> int:
         return sum(self.launches.values())
@@ -112,6 +117,7 @@ class Counts:
     def launch(self, name: str, n: int = 1) -> None:
         self.launches[name] += n
         self.phase_launches[self.phase] += n
+        self.phase_ops[self.phase][name] += n
 
     def sync(self, reason: str) -> None:
         self.syncs[reason] += 1
@@ -204,8 +210,12 @@ class CudaPathCounter(TorchDispatchMode):
                     self.counts.sync(f"copy to the host (.tolist(), .cpu()) at {_caller()}")
                 return torch.zeros(args[0].shape, dtype=kwargs.get("dtype") or args[0].dtype)
             if source == "cpu" and target == "meta":
-                self.counts.h2d += 1
+                self.counts.h2d[self.counts.phase] += 1
                 return func(*args, **kwargs)
+        if func is aten.copy_.default and args[0].device.type == "meta" and \
+                args[1].device.type == "cpu":  # into a device buffer (GraphedUpdate's batch)
+            self.counts.h2d[self.counts.phase] += 1
+            return func(*args, **kwargs)
         out = func(*args, **kwargs)
         on_device = any(t.device.type == "meta" for t in _tensors(out)) or any(
             t.device.type == "meta" for t in _tensors(list(args)))
@@ -228,20 +238,24 @@ class CudaPathCounter(TorchDispatchMode):
 class MetaAutocast(TorchFunctionMode):
     """CUDA autocast's rule for meta tensors, above autograd as autocast is: inside an enabled
     region the matrix products take bf16 copies of their float32 inputs (one per weight per
-    region: autocast's cast cache), so the casts and their backward are dispatched and counted."""
+    region: autocast's cast cache, unless the region turns it off, as a CUDA graph's capture
+    does), so the casts and their backward are dispatched and counted."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.depth, self.enabled = 0, []
+        self.enabled: list[bool] = []
+        self.caching: list[bool] = []
         self.cache: dict[int, torch.Tensor] = {}
 
     @contextlib.contextmanager
-    def region(self, enabled: bool):
+    def region(self, enabled: bool, cache_enabled: bool = True):
         self.enabled.append(enabled)
+        self.caching.append(cache_enabled)
         try:
             yield
         finally:
             self.enabled.pop()
+            self.caching.pop()
             if not self.enabled:
                 self.cache.clear()
 
@@ -251,7 +265,7 @@ class MetaAutocast(TorchFunctionMode):
     def cast(self, x):
         if not (isinstance(x, torch.Tensor) and x.dtype == torch.float32):
             return x
-        cached = x.is_leaf and x.requires_grad
+        cached = x.is_leaf and x.requires_grad and self.caching[-1]
         if cached and id(x) in self.cache:
             return self.cache[id(x)]
         y = x.to(torch.bfloat16)
@@ -292,7 +306,7 @@ def cuda_dispatch(counts: Counts, sm: tuple[int, int] = (9, 0), sms: int = 132):
 
     def autocast(device_type, dtype=None, enabled=True, cache_enabled=None):
         if device_type == "meta":
-            return emulated.region(enabled)
+            return emulated.region(enabled, cache_enabled is not False)
         return real_autocast(device_type, dtype, enabled, cache_enabled)
 
     torch.autocast = autocast
@@ -360,20 +374,43 @@ class MetaAdam:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
+        self.param_groups = [{"params": params, "lr": 1e-4}]
         self.exp_avg = [torch.zeros_like(p) for p in params]
         self.exp_avg_sq = [torch.zeros_like(p) for p in params]
         self.steps = [torch.zeros((), device=p.device) for p in params]
 
     def step(self) -> None:
         grads = [p.grad for p in self.params]
+        # A learning rate in a tensor (GraphedUpdate's) launches the same kernel; meta has no
+        # implementation of that overload, so the count takes a number.
         torch._fused_adam_(self.params, grads, self.exp_avg, self.exp_avg_sq, [], self.steps,
                            lr=1e-4, beta1=0.9, beta2=0.98, weight_decay=0.0, eps=1e-9,
                            amsgrad=False, maximize=False,
                            found_inf=getattr(self, "found_inf", None))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:  # in place, as torch.optim does on CUDA: one multi-tensor zero
+            torch._foreach_zero_([p.grad for p in self.params if p.grad is not None])
+            return
         for p in self.params:
             p.grad = None
+
+
+def _setup(preset: str, sentences: int, length: int, vocab: int):
+    """The meta model of `preset` as the trainer wraps it, a batch of `sentences` pairs of
+    `length` source and target tokens (on the CPU, as the trainer's batches are) and MetaAdam."""
+    if backend.interpreter_active():
+        raise RuntimeError("the launch count needs Triton's compiled launch path: unset "
+                           "TRITON_INTERPRET")
+    config = replace(PRESETS[preset], vocab_size=vocab)
+    with torch.device("meta"):
+        model = Transformer(config).train()
+    generator = torch.Generator().manual_seed(0)
+    source = torch.randint(4, vocab, (sentences, length), generator=generator)
+    target = torch.randint(4, vocab, (sentences, length + 1), generator=generator)
+    batch = (source, target[:, :-1], target[:, 1:])
+    arrival_counter(torch.device("meta"))  # made once per process (its zeros), not per step
+    return model, LossModule(model), batch, MetaAdam(list(model.parameters()))
 
 
 def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
@@ -381,20 +418,8 @@ def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
     target tokens) of `preset` on the CUDA path, in all and by phase: the micro-batch (its forward
     and backward), the update's end (gradient norm, optimiser, the copy of the results) and the
     read of the results."""
-    if backend.interpreter_active():
-        raise RuntimeError("the launch count needs Triton's compiled launch path: unset "
-                           "TRITON_INTERPRET")
-    config = replace(PRESETS[preset], vocab_size=vocab)
-    with torch.device("meta"):
-        model = Transformer(config).train()
-    loss_module = LossModule(model)
+    model, loss_module, batch, optimizer = _setup(preset, sentences, length, vocab)
     counts = Counts()
-    generator = torch.Generator().manual_seed(0)
-    source = torch.randint(4, vocab, (sentences, length), generator=generator)
-    target = torch.randint(4, vocab, (sentences, length + 1), generator=generator)
-    batch = (source, target[:, :-1], target[:, 1:])  # on the CPU, as the trainer's batches are
-    optimizer = MetaAdam(list(model.parameters()))
-    arrival_counter(torch.device("meta"))  # made once per process (its zeros), not per step
     # The phase turns to the update's end when the micro-batch's backward returns.
     loss_module.register_forward_pre_hook(lambda *_: setattr(counts, "phase", "micro-batch"))
     real_backward = torch.Tensor.backward
@@ -418,10 +443,56 @@ def trace(preset: str, sentences: int, length: int, vocab: int) -> dict:
         "launches_by_phase": dict(counts.phase_launches),
         "host_syncs_by_phase": {phase: counts.phase_syncs[phase] for phase in PHASES},
         "event_waits": dict(counts.event_waits),
-        "bytes_copied": sum(counts.copied.values()), "host_to_device_copies": counts.h2d,
+        "bytes_copied": sum(counts.copied.values()),
+        "host_to_device_copies": sum(counts.h2d.values()),
         "launches_by_op": dict(counts.launches.most_common()),
         "syncs_by_reason": dict(counts.syncs.most_common()),
         "bytes_copied_by_op": dict(counts.copied.most_common()),
+    }
+
+
+GRAPHED_PHASES = ("micro-batch graph", "end graph", "graphed update", "read")
+
+
+def trace_graphed(preset: str, sentences: int, length: int, vocab: int) -> dict:
+    """The counts of --cuda-graphs' update (fastattn.train.GraphedUpdate) of one micro-batch
+    on the CUDA path: what each graph holds ("micro-batch graph", "end graph"), counted as its
+    capture records it (after the eager run that precedes a capture, not counted), then what
+    an update launches around the replays once its graphs exist ("graphed update"; a replay
+    is one launch) and the read. A captured host sync or host-to-device copy would fail the
+    capture on a GPU (the copy would also freeze the batch it copied): both must be 0 inside
+    the graphs."""
+    model, loss_module, batch, optimizer = _setup(preset, sentences, length, vocab)
+    update = GraphedUpdate(loss_module, optimizer, autocast_dtype=torch.bfloat16)
+    counts = Counts()
+
+    def warm_and_capture(work):
+        outside = counts.phase
+        counts.phase = "eager run before capture"
+        work()
+        counts.phase = "end graph" if work == update._end else "micro-batch graph"
+        work()
+        counts.phase = outside
+        return lambda: counts.launch("CUDA graph replay")
+
+    update._warm_and_capture = warm_and_capture
+    with cuda_dispatch(counts), CudaPathCounter(counts):
+        counts.phase = "first update"
+        update.launch([batch], lr=1e-4)
+        counts.phase = "graphed update"
+        pending = update.launch([batch], lr=1e-4)
+        counts.phase = "read"
+        pending.result()
+    return {
+        "preset": preset, "sentences": sentences, "length": length, "vocab": vocab,
+        "launches_per_update": sum(counts.phase_launches[p] for p in GRAPHED_PHASES[2:]),
+        "launches_by_phase": {p: counts.phase_launches[p] for p in GRAPHED_PHASES},
+        "host_syncs_by_phase": {p: counts.phase_syncs[p] for p in GRAPHED_PHASES},
+        "host_to_device_copies_by_phase": {p: counts.h2d[p] for p in GRAPHED_PHASES},
+        "event_waits": dict(counts.event_waits),
+        "launches_by_op_by_phase": {p: dict(counts.phase_ops[p].most_common())
+                                    for p in GRAPHED_PHASES},
+        "syncs_by_reason": dict(counts.syncs.most_common()),
     }
 
 
@@ -448,6 +519,27 @@ def markdown(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def markdown_graphed(results: list[dict]) -> str:
+    lines = ["| preset | tokens (src + tgt) | kernels in the micro-batch graph | in the end graph "
+             "| launches per update (graph replays included) | host-to-device copies | "
+             "host syncs (in the graphs + outside + read) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        tokens = r["sentences"] * r["length"]
+        phase, syncs = r["launches_by_phase"], r["host_syncs_by_phase"]
+        lines.append(f"| {r['preset']} | {tokens:,} + {tokens:,} | "
+                     f"{phase['micro-batch graph']:,} | {phase['end graph']:,} | "
+                     f"{r['launches_per_update']} | "
+                     f"{r['host_to_device_copies_by_phase']['graphed update']} | "
+                     f"{syncs['micro-batch graph'] + syncs['end graph']} + "
+                     f"{syncs['graphed update']} + {syncs['read']} |")
+    for r in results:
+        lines += ["", f"{r['preset']}: launches per update outside the graphs", ""]
+        lines += [f"- {op}: {n}" for op, n in
+                  r["launches_by_op_by_phase"]["graphed update"].items()]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.launches",
                                      description=__doc__.split("\n\n")[0])
@@ -456,10 +548,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sentences", type=int, default=125)
     parser.add_argument("--length", type=int, default=25)
     parser.add_argument("--vocab", type=int, default=37000)
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="count the trainer's --cuda-graphs update instead: what each graph "
+                        "holds and what an update launches around the replays")
     parser.add_argument("--json", help="also write the counts here")
     args = parser.parse_args(argv)
-    results = [trace(p, args.sentences, args.length, args.vocab) for p in args.preset]
-    print(markdown(results))
+    count, render = (trace_graphed, markdown_graphed) if args.cuda_graphs else (trace, markdown)
+    results = [count(p, args.sentences, args.length, args.vocab) for p in args.preset]
+    print(render(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

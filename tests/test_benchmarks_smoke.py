@@ -383,6 +383,30 @@ def test_launch_counter_counts_the_cuda_path_of_one_update(monkeypatch):
     assert uncopied - r["launches"] == 3 * (norms - 2) + 2 + 3 * 2 + 2 * feed_forwards
 
 
+def test_launch_counter_counts_the_graphed_update():
+    """benchmarks.launches --cuda-graphs on the tiny preset: nothing a capture refuses inside
+    the graphs (no host sync, no copy from the host), five launches around the replays, and
+    the gradients handed over by the backward, not added to per parameter."""
+    cfg = launches.PRESETS["tiny"]
+    r = launches.trace_graphed("tiny", sentences=3, length=5, vocab=500)
+    assert r["host_syncs_by_phase"] == dict.fromkeys(launches.GRAPHED_PHASES, 0), \
+        r["syncs_by_reason"]
+    assert r["host_to_device_copies_by_phase"] == {
+        "micro-batch graph": 0, "end graph": 0, "graphed update": 3, "read": 0}
+    ops = r["launches_by_op_by_phase"]
+    assert ops["graphed update"] == {"fill_": 2, "CUDA graph replay": 2,
+                                     "copy to the host (non-blocking)": 1}
+    assert r["launches_per_update"] == 5 and ops["read"] == {}
+    [(wait, count)] = r["event_waits"].items()
+    assert count == 1 and wait.startswith("read at fastattn/train/step.py"), wait
+    graph = ops["micro-batch graph"]
+    attention_calls = cfg.encoder_layers + 2 * cfg.decoder_layers
+    assert graph["triton _attn_bwd_dkdv"] == attention_calls
+    assert graph["random_"] == 1  # the seed table's refill: the only draw
+    assert "add_" not in graph and "randint" not in graph and "clone" not in graph, graph
+    assert ops["end graph"]["_fused_adam_"] >= 1 and "_foreach_zero_" not in ops["end graph"]
+
+
 def test_multi_tensor_launches_follow_atens_limits():
     """multi_tensor_apply's limits: tensors per launch by the number of lists, 320 blocks of
     65,536 elements, a tensor split across launches when its chunks do not fit."""

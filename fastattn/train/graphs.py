@@ -3,9 +3,10 @@ micro-batch where dispatching it op by op takes about 400 (benchmarks.launches),
 fast enough that launching bounds the step (BENCHMARKS.md's projection: base at the paper's
 per-GPU batch on an H100 or H200).
 
-A micro-batch's forward and backward is one graph per batch shape, captured the first time
-that shape comes, right after an eager run of the batch (its real contribution to the update,
-which also compiles the kernels and counts its dropout seeds). Token buckets make the same
+A micro-batch's forward and backward is one graph per batch shape (and per role: the first
+micro-batch of an update, or one accumulated after it), captured the first time that shape
+comes, right after an eager run of the batch (its real contribution to the update, which also
+compiles the kernels and counts its dropout seeds). Token buckets make the same
 shapes every epoch (scripts.graph_shapes: 51 on Multi30k at --max-tokens 16000, 100 at 6250),
 so the graphs are captured in the first epoch; the loss projects every position
 (Transformer.loss's every_position) so that shapes do not depend on the token count. The end
@@ -15,9 +16,11 @@ between replays but the tensors below.
 
 Whatever changes between replays lives in a tensor the graphs read, never in a Python value
 they captured: the batch (copied into the shape's buffers), the loss normaliser and learning
-rate (filled in), the dropout seeds (a table each graph refills, fastattn.ops.seeds).
-Gradients accumulate in place into .grad tensors that stay allocated, the loss sums into a
-device accumulator, and the end graph zeroes both.
+rate (filled in), the dropout seeds (a table each graph refills, fastattn.ops.seeds). The
+update's gradients and loss sums live in tensors that stay allocated: the backward hands over
+fresh gradients (a .grad it would add to costs a kernel per parameter: 194 in base), which
+the first micro-batch copies into them and any later one adds, a few multi-tensor kernels
+either way (benchmarks.launches --cuda-graphs counts what each graph holds).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from fastattn.train.step import PendingStep
 class _MicroBatchGraph:
     batch: tuple[torch.Tensor, ...]
     """The graph's input buffers, (source, decoder input, target) of its shape."""
+    first: bool
+    """Whether it starts an update: it sets the update's gradients and sums, or adds to them."""
     seeds: seeds.DeviceSeeds
     replay: Callable[[], None]
 
@@ -58,8 +63,10 @@ class GraphedUpdate:
         self.device = self.params[0].device
         self.pad_id = loss_module.pad_id
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
-        for p in self.params:  # accumulated into in place, never freed: graphs hold them
-            p.grad = torch.zeros_like(p)
+        self.grads = [torch.zeros_like(p) for p in self.params]
+        """The update's gradients (the params' .grad between micro-batches): graphs hold them."""
+        for p, grad in zip(self.params, self.grads, strict=True):
+            p.grad = grad
         self.sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         """Loss and NLL summed over the update's micro-batches so far."""
         self.normaliser = torch.ones((), device=self.device)
@@ -69,7 +76,8 @@ class GraphedUpdate:
         for group in optimizer.param_groups:  # read by the captured step: a tensor, capturable
             self.lr.fill_(float(group["lr"]))
             group["lr"], group["capturable"] = self.lr, True
-        self.micro_batches: dict[tuple[torch.Size, ...], _MicroBatchGraph] = {}
+        self.micro_batches: dict[tuple[tuple[torch.Size, ...], bool], _MicroBatchGraph] = {}
+        """By (batch shape, first of its update)."""
         self.end: Callable[[], None] | None = None
 
     def launch(self, batches: Sequence[tuple[torch.Tensor, ...]], lr: float) -> PendingStep:
@@ -80,17 +88,17 @@ class GraphedUpdate:
         tokens = sum(int((b[2] != self.pad_id).sum()) for b in batches)
         self.normaliser.fill_(max(tokens, 1))
         self.lr.fill_(lr)
-        for batch in batches:
+        for i, batch in enumerate(batches):
             if self.device.type == "cuda":  # from pageable memory the copy may wait
                 batch = tuple(t.pin_memory() for t in batch)
-            shape = tuple(t.shape for t in batch)
-            graph = self.micro_batches.get(shape)
+            key = (tuple(t.shape for t in batch), i == 0)
+            graph = self.micro_batches.get(key)
             if graph is None:
                 buffers = tuple(torch.empty_like(t, device=self.device) for t in batch)
-                graph = _MicroBatchGraph(buffers, seeds.DeviceSeeds(self.device), None)
+                graph = _MicroBatchGraph(buffers, i == 0, seeds.DeviceSeeds(self.device), None)
                 self._copy_in(graph.batch, batch)
                 graph.replay = self._warm_and_capture(lambda g=graph: self._micro_batch(g))
-                self.micro_batches[shape] = graph
+                self.micro_batches[key] = graph
                 continue
             self._copy_in(graph.batch, batch)
             graph.replay()
@@ -113,20 +121,36 @@ class GraphedUpdate:
             buffer.copy_(t, non_blocking=True)
 
     def _micro_batch(self, graph: _MicroBatchGraph) -> None:
-        """A micro-batch's forward and backward, from its buffers: adds its gradients, loss and
-        NLL sums to the update's."""
+        """A micro-batch's forward and backward, from its buffers: its gradients, loss and NLL
+        sums become the update's (the first micro-batch) or are added to them."""
         graph.seeds.refill()
         autocast = torch.autocast(self.device.type, self.autocast_dtype,
                                   enabled=self.autocast_dtype is not None,
                                   cache_enabled=False)  # its cache cannot outlive a capture
         with seeds.from_device(graph.seeds), autocast:
             loss, nll = self.module(*graph.batch, every_position=True)
-        (loss / self.normaliser).backward()
-        self.sums += torch.stack([loss.detach(), nll.detach()]).double()
+        for p in self.params:
+            p.grad = None
+        try:
+            (loss / self.normaliser).backward()
+            fresh = [p.grad for p in self.params]
+        finally:
+            for p, grad in zip(self.params, self.grads, strict=True):
+                p.grad = grad
+        sums = torch.stack([loss.detach(), nll.detach()]).double()
+        got = [(grad, new) for grad, new in zip(self.grads, fresh, strict=True) if new is not None]
+        none = [grad for grad, new in zip(self.grads, fresh, strict=True) if new is None]
+        if graph.first:
+            self.sums.copy_(sums)
+            torch._foreach_copy_([grad for grad, _ in got], [new for _, new in got])
+            if none:  # parameters this batch does not reach (none in the model's own use)
+                torch._foreach_zero_(none)
+        else:
+            self.sums += sums
+            torch._foreach_add_([grad for grad, _ in got], [new for _, new in got])
 
     def _end(self) -> None:
-        """Clipping, the NaN/inf guard and the optimiser's step (launch_step's end), then
-        zeroes the gradients and the sums in place."""
+        """Clipping, the NaN/inf guard and the optimiser's step: launch_step's end."""
         if self.clip_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm)
         else:
@@ -138,8 +162,6 @@ class GraphedUpdate:
             self.optimizer.step()
         finally:
             del self.optimizer.found_inf
-        self.optimizer.zero_grad(set_to_none=False)  # the graphs hold these tensors
-        self.sums.zero_()
 
     def _warm_and_capture(self, work: Callable[[], None]) -> Callable[[], None]:
         """Runs `work` once (on a GPU off the default stream, as capture wants the kernels
