@@ -326,7 +326,7 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
                  DOT_PRECISION: tl.constexpr):
     """One program owns BLOCK_M queries of one (batch, head): it computes their Delta (and stores
     it for the dK/dV pass, launched after this one), then loops over the key tiles they may see
-    (causal stops at the diagonal):
+    (causal stops at the diagonal; only tiles crossing it or Lk check bounds and causality):
         Delta = rowsum(dO * O) = rowsum(P * dP) (with dropout too),
         P = 2^(S - lse * log2 e),  dP = (dO V^T) * Z,  dS = P * (dP - Delta),  dQ = scale * dS K."""
     philox_seed, philox_offset = scalar(philox_seed), scalar(philox_offset)
@@ -352,9 +352,14 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
     rows = offs_m[:, None]
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # Keys [0, n_full) need no bounds or causal check for any row of this block (as in the
+    # forward); from hi on they are above the causal diagonal for every row.
     hi = Lk
+    n_full = Lk
     if CAUSAL:
         hi = tl.minimum(Lk, tl.maximum((pid_m + 1) * BLOCK_M + causal_shift, 0))
+        n_full = tl.minimum(Lk, tl.maximum(pid_m * BLOCK_M + causal_shift + 1, 0))
+    n_full = n_full // BLOCK_N * BLOCK_N
     for start_n in range(0, hi, BLOCK_N):
         cols = start_n + offs_n[None, :]
         kv_mask = (cols < Lk) & (offs_d[:, None] < HEAD_DIM)
@@ -364,7 +369,14 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
                       other=0.0)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * qk_scale
         s = _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
-                           MASK_KIND, KEY_MASK, CAUSAL, True)
+                           MASK_KIND, KEY_MASK, CAUSAL, False)
+        # Only a tile crossing Lk or the diagonal (a branch uniform over the program) checks:
+        # a key past Lk must get P = 0 here, as k = 0 would not cancel an infinite P.
+        if start_n >= n_full:
+            allowed = cols < Lk
+            if CAUSAL:
+                allowed &= cols <= rows + causal_shift
+            s = tl.where(allowed, s, float("-inf"))
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -474,7 +486,8 @@ VARIANT_TILES = {
     # 206-254 at 64 and 128 at 32, no spill. (mask + causal keeps 128 x 32: 244-248.)
     ("_attn_bwd_dq", "mask", (70, 80)): {(32, 2): (64, 32, 8, 3), (64, 2): (64, 32, 8, 3)},
     ("_attn_bwd_dq", "mask+dropout", (70, 80)): {(64, 2): (64, 32, 8, 3), (16, 4): (32, 32, 8, 2)},
-    ("_attn_bwd_dq", HEAVIEST, (70, 80)): {(64, 2): (64, 32, 8, 3), (32, 4): (16, 32, 4, 2)},
+    ("_attn_bwd_dq", HEAVIEST, (70, 80)): {(64, 2): (64, 32, 8, 3), (32, 4): (16, 32, 4, 2),
+                                           (64, 4): (32, 32, 4, 3)},
     # The forward at d = 64, a mask per query with causal and dropout: 128 x 64 at 254-255;
     # 64 x 64 takes 230-234.
     ("_attn_fwd", HEAVIEST, (70, 80)): {(64, 2): (64, 64, 8, 3), (64, 4): (32, 32, 4, 2)},
@@ -487,10 +500,16 @@ VARIANT_TILES = {
     # --dtype fp32): the forward at d = 64 with key padding (8 B) and a mask per query with
     # dropout (255), at d = 32 with key padding, causal and dropout (16 B); dQ at d = 16 with a
     # mask and dropout (8 B), and at d = 32 with a mask, causal and dropout, where fp32's exact
-    # (IEEE) products spilled 8-16 B (python -m fastattn.kernels.compile_report). Hopper's
-    # float32 tiles are its own tables' (SM90_*).
+    # (IEEE) products spilled 8-16 B (python -m fastattn.kernels.compile_report); at d = 64 with
+    # a float mask, causal and dropout, 32 x 32 in two stages spilled 8 B at 168 registers once
+    # dQ checked diagonal tiles only (three stages: 186-206, no spill). Hopper's float32 tiles
+    # are its own tables' (SM90_*).
     ("_attn_fwd", "key padding", (70, 80)): {(64, 4): (64, 32, 4, 2)},
     ("_attn_fwd", "mask+dropout", (70, 80)): {(64, 4): (32, 32, 4, 2)},
+    # Hopper's float32 dQ at d = 64 with a mask per query, causal and dropout: in two stages its
+    # exact (IEEE) products spilled 16 B at 128 registers once dQ checked diagonal tiles only;
+    # three stages take 133-198 registers in either precision, no spill.
+    ("_attn_bwd_dq", HEAVIEST, (90,)): {(64, 4): (64, 32, 8, 3)},
 }
 
 

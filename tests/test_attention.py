@@ -125,6 +125,15 @@ def test_float_mask_low_precision(seeded, dtype):
     _check_against_reference(q, k, v, attn_mask=mask, causal=True, atol=1e-3)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_float_mask_far_below_zero_past_a_ragged_key_tile(seeded, causal):
+    """Every score near -100 (the bias), so exp(-lse) overflows float32: a key past Lk in the
+    last, partial key tile (33 keys) must still get P = 0 in dQ's pass, not inf * 0 = NaN."""
+    q, k, v = _inputs(17, 33, 40, torch.float32)
+    mask = torch.full((17, 33), -100.0) + torch.randn(17, 33)
+    _check_against_reference(q, k, v, attn_mask=mask, causal=causal, atol=2e-5)
+
+
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
 def test_fully_masked_rows_give_zeros_and_zero_gradients(seeded, mask_dtype):
     q, k, v = _inputs(9, 12, 32, torch.float32)
