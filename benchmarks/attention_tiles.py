@@ -34,9 +34,11 @@ TILES = {
     "_attn_bwd_dq": [(128, 32, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3),
                      (64, 32, 8, 3)],
 }
-# --dtype names; fp32 compiles its products in tf32 (torch's allow_tf32 on), as fp32 inputs with
-# tf32 allowed run on tensor cores.
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# --dtype names: (dtype, products' precision). fp32 compiles its products in tf32, as fp32 inputs
+# run with torch's allow_tf32 on (tensor cores); fp32-exact in IEEE float32, as they run by
+# default (FMA loops).
+DTYPES = {"fp16": (torch.float16, "tf32"), "bf16": (torch.bfloat16, "tf32"),
+          "fp32": (torch.float32, "tf32"), "fp32-exact": (torch.float32, "ieee")}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -65,8 +67,9 @@ def main(argv: list[str] | None = None) -> None:
                                                           args.arch):
             tiles = [] if args.shipped else [tuple(t) for t in args.tile] if args.tile \
                 else TILES[name]
-            shipped = attention.launch_tile(name, d, DTYPES[dtype], arch,
-                                            **attention.tile_variant(*attention.VARIANTS[variant]))
+            shipped = attention.launch_tile(name, d, DTYPES[dtype][0], arch,
+                                            **attention.tile_variant(*attention.VARIANTS[variant]),
+                                            precision=DTYPES[dtype][1])
             work += [(name, d, dtype, variant, tile, arch, args.seed_pointers)
                      for tile in dict.fromkeys([shipped, *tiles])]
     if args.jobs <= 1:
@@ -88,9 +91,10 @@ def compile_tile(name, d, dtype, variant, tile, arch, seed_pointers=False) -> di
     block_m, block_n, warps, stages = tile
     config = dict(
         name=f"{name} d={d} {dtype} {variant} {tile}", fn=fn,
-        signature=attention._kernel_signature(fn, dtype, mask, d),
+        signature=attention._kernel_signature(fn, dtype.removesuffix("-exact"), mask, d),
         constexprs=dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=mask,
-                        KEY_MASK=key, CAUSAL=causal, DROPOUT=dropout, DOT_PRECISION="tf32"),
+                        KEY_MASK=key, CAUSAL=causal, DROPOUT=dropout,
+                        DOT_PRECISION=DTYPES[dtype][1]),
         num_warps=warps, num_stages=stages)
     if seed_pointers:
         config = seeds_through_pointers(config)

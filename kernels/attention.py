@@ -511,6 +511,19 @@ VARIANT_TILES = {
     # three stages take 133-198 registers in either precision, no spill.
     ("_attn_bwd_dq", HEAVIEST, (90,)): {(64, 4): (64, 32, 8, 3)},
 }
+# float32 with exact (IEEE) products, PyTorch's default for float32 (allow_tf32 off): FMA loops,
+# no tensor cores, so no M in multiples of 64 to keep on Hopper. Where the tiles above spilled
+# at the cap in the exact products (python -m benchmarks.attention_tiles --dtype fp32-exact):
+# the forward at d = 64 with key padding on Ampere (152 B with float masks; 8 warps: 109
+# registers) and with a mask per query on Hopper (32 B; 64 x 16: 99), at d = 128 with a mask per
+# query on Hopper (208-280 B; 32 x 16: 90-106). These come first for exact products.
+EXACT_FP32_TILES = {
+    ("_attn_fwd", "key padding", (70, 80)): {(64, 4): (64, 32, 8, 2)},
+    ("_attn_fwd", "mask", (90,)): {(64, 4): (64, 16, 8, 2), (128, 4): (32, 16, 8, 2)},
+    ("_attn_fwd", "mask+dropout", (90,)): {(128, 4): (32, 16, 8, 2)},
+    ("_attn_fwd", "mask+causal", (90,)): {(128, 4): (32, 16, 8, 2)},
+    ("_attn_fwd", HEAVIEST, (90,)): {(128, 4): (32, 16, 8, 2)},
+}
 
 
 def _block_d(head_dim: int) -> int:
@@ -531,18 +544,22 @@ def _config(table: dict, head_dim: int, dtype: torch.dtype) -> tuple[int, int, i
 
 
 def launch_tile(kernel: str, head_dim: int, dtype: torch.dtype, arch: int, *, mask: str,
-                causal: bool, dropout: bool) -> tuple[int, int, int, int]:
+                causal: bool, dropout: bool, precision: str | None = None
+                ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) the launchers pick for `kernel` ("_attn_fwd",
     "_attn_bwd_dkdv" or "_attn_bwd_dq") on arch (10 x major + minor) for a variant: mask
     "none", "key" (one row for every query: key padding) or "query" (a row per query), causal,
-    dropout. The entry's tile for the architecture, unless VARIANT_TILES has one for the
-    variant."""
+    dropout; precision: the products' ("ieee" or "tf32"; default: what a launch with `dtype`
+    uses now). The entry's tile for the architecture, unless a tile for the variant overrides
+    it: EXACT_FP32_TILES for exact products, else VARIANT_TILES."""
     entry = (_block_d(head_dim), 4 if dtype == torch.float32 else 2)
-    for (name, variant, archs), tiles in VARIANT_TILES.items():
-        if (name == kernel and arch in archs and entry in tiles
-                and tile_variant(*VARIANTS[variant]) == dict(mask=mask, causal=causal,
-                                                             dropout=dropout)):
-            return tiles[entry]
+    exact = dtype == torch.float32 and (precision or _dot_precision(dtype)) == "ieee"
+    wanted = dict(mask=mask, causal=causal, dropout=dropout)
+    for table in (EXACT_FP32_TILES, VARIANT_TILES) if exact else (VARIANT_TILES,):
+        for (name, variant, archs), tiles in table.items():
+            if (name == kernel and arch in archs and entry in tiles
+                    and tile_variant(*VARIANTS[variant]) == wanted):
+                return tiles[entry]
     return _table_tile(kernel, entry, arch)
 
 
@@ -602,8 +619,9 @@ def compile_configs() -> list[dict]:
     40, 80, 96 their padded entry's; fp32 both exact and with tf32 allowed) for the forward, both
     backward passes, each kernel in its heaviest variant (the one the tables
     were sized for, not always the one with the most registers: docs/benchmark-notes.md), and
-    each VARIANT_TILES tile in its own variant. A tile only some architectures launch names them
-    in "archs" (and, unless it is the entry's own, its name says "smNN-tile" or "variant-tile")."""
+    each VARIANT_TILES tile (and, with exact products, EXACT_FP32_TILES tile) in its own
+    variant. A tile only some architectures launch names them in "archs" (and, unless it is the
+    entry's own, its name says "smNN-tile" or "variant-tile")."""
     precisions = {2: [("fp16", "tf32")], 4: [("fp32", "ieee"), ("fp32 tf32", "tf32")]}
     configs = []
     for block_d, element_size in FWD_CONFIGS:
@@ -615,7 +633,7 @@ def compile_configs() -> list[dict]:
                 by_tile: dict[tuple, list[int]] = {}
                 for arch in COMPILE_ARCHS:
                     tile = launch_tile(kernel.__name__, block_d, dtype, arch, mask="query",
-                                       causal=True, dropout=True)
+                                       causal=True, dropout=True, precision=precision)
                     by_tile.setdefault(tile, []).append(arch)
                 for tile, archs in by_tile.items():
                     suffix = "" if tile == base else f" sm{max(archs)}-tile"
@@ -623,11 +641,19 @@ def compile_configs() -> list[dict]:
                         kernel, block_d, label, dtype_name, precision, HEAVIEST, tile,
                         f"mask+causal+dropout{suffix}",
                         archs if len(by_tile) > 1 else None))
-            for (name, variant, archs), tiles in VARIANT_TILES.items():
-                if (block_d, element_size) in tiles and variant != HEAVIEST:
-                    configs.append(_compile_config(
-                        KERNELS[name], block_d, label, dtype_name, precision, variant,
-                        tiles[(block_d, element_size)], f"{variant} variant-tile", archs))
+            tables = (EXACT_FP32_TILES, VARIANT_TILES) if precision == "ieee" else (VARIANT_TILES,)
+            for table in tables:
+                for (name, variant, archs), tiles in table.items():
+                    tile = tiles.get((block_d, element_size))
+                    if tile is None or variant == HEAVIEST:
+                        continue
+                    keywords = tile_variant(*VARIANTS[variant])
+                    launched = [arch for arch in archs if tile == launch_tile(
+                        name, block_d, dtype, arch, **keywords, precision=precision)]
+                    if launched:  # (an exact-product tile may override a variant tile)
+                        configs.append(_compile_config(
+                            KERNELS[name], block_d, label, dtype_name, precision, variant, tile,
+                            f"{variant} variant-tile", launched))
     return configs
 
 

@@ -130,6 +130,32 @@ def test_hopper_dkdv_at_head_dims_64_and_128_runs_on_wgmma(report, head_dim):
     assert dkdv[0]["wgmma"] and dkdv[0]["spill_bytes"] == 0 and dkdv[0]["registers"] < 255
 
 
+def test_exact_float32_products_take_their_own_tiles_first():
+    """launch_tile: float32 with exact (IEEE) products, torch's default, reads EXACT_FP32_TILES
+    before VARIANT_TILES and the tables; with tf32 products, and in 16 bits, they do not apply.
+    Hopper's forward at d = 128 with a mask per query: the tf32 tile spilled 208-280 B in exact
+    products (docs/benchmark-notes.md)."""
+    import torch
+
+    query_mask = dict(mask="query", causal=True, dropout=True)
+    exact = attention.launch_tile("_attn_fwd", 128, torch.float32, 90, **query_mask,
+                                  precision="ieee")
+    tf32 = attention.launch_tile("_attn_fwd", 128, torch.float32, 90, **query_mask,
+                                 precision="tf32")
+    assert exact == attention.EXACT_FP32_TILES[("_attn_fwd", attention.HEAVIEST, (90,))][(128, 4)]
+    assert tf32 == attention.SM90_FWD_CONFIGS[(128, 4)] != exact
+    # the default follows torch's setting, as the kernels' DOT_PRECISION does
+    assert attention.launch_tile("_attn_fwd", 128, torch.float32, 90, **query_mask) == exact
+    assert attention.launch_tile("_attn_fwd", 128, torch.float16, 90, **query_mask,
+                                 precision="ieee") == attention.SM90_FWD_CONFIGS[(128, 2)]
+    # a variant tile for Ampere's key padding: exact products 8 warps, tf32 4 (VARIANT_TILES)
+    key = dict(mask="key", causal=False, dropout=False)
+    assert attention.launch_tile("_attn_fwd", 64, torch.float32, 80, **key,
+                                 precision="ieee") == (64, 32, 8, 2)
+    assert attention.launch_tile("_attn_fwd", 64, torch.float32, 80, **key,
+                                 precision="tf32") == (64, 32, 4, 2)
+
+
 @pytest.mark.slow
 def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path):
     """compile_configs() compiles each entry in its heaviest variant, and ptxas does not allocate
