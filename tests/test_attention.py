@@ -648,6 +648,32 @@ def test_hopper_dkdv_tile_gives_the_same_gradients(seeded, monkeypatch, causal):
     _check_against_reference(q, k, v, causal=causal, attn_mask=mask, atol=1e-3)
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="runs the Triton kernels themselves, on CPU tensors "
+                    "only under the interpreter")
+@pytest.mark.parametrize("d,causal,dropout", [(64, False, False), (128, False, True),
+                                              (128, True, False), (128, True, True)])
+def test_hopper_exact_float32_tiles_give_the_reference(seeded, monkeypatch, d, causal, dropout):
+    """The forward tiles Hopper launches for float32 with exact products and a float mask per
+    query (kernels.attention.EXACT_FP32_TILES: 64 x 16 at d = 64, 32 x 16 at d = 128), run here
+    by pretending to be sm_90, all gradients against the fp64 reference."""
+    from fastattn.kernels import attention as kernels
+
+    monkeypatch.setattr(kernels, "_sm", lambda x: 90)
+    variant = dict(mask="query", causal=causal, dropout=dropout)
+    assert kernels.launch_tile("_attn_fwd", d, torch.float32, 90, **variant,
+                               precision="ieee")[:2] == ((64, 16) if d == 64 else (32, 16))
+    q, k, v = _inputs(97, 65, d, torch.float32)
+    mask = _masks(2, 3, 97, 65)["float"]
+    grad_out = torch.randn_like(q)  # drawn before the seed is reset for the dropout mask
+    p, keep = (0.2, None) if dropout else (0.0, None)
+    if dropout:
+        torch.manual_seed(99)
+        keep = _dropout_keep_mask(q, k, p)
+        torch.manual_seed(99)
+    _check_against_reference(q, k, v, causal=causal, attn_mask=mask, dropout_p=p,
+                             dropout_keep=keep, grad_out=grad_out, atol=2e-5)
+
+
 def _packed_inputs(form, lq, lk, heads, d, dtype, batch=3):
     """attention_packed's inputs: a self-attention's fused projection (B, L, 3·H·D), or queries
     (B, Lq, H·D) and keys and values side by side (B, Lk, 2·H·D)."""
