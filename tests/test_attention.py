@@ -186,6 +186,17 @@ def test_backward_is_deterministic(seeded):
         assert torch.equal(a, b)
 
 
+def _keep_of_the_next_call(q, k, p):
+    """The keep-mask the next attention call with dropout p draws (None for p = 0): drawn from
+    seed 99, which is set again for that call (so grad_out must be drawn before)."""
+    if p == 0:
+        return None
+    torch.manual_seed(99)
+    keep = _dropout_keep_mask(q, k, p)
+    torch.manual_seed(99)
+    return keep
+
+
 @pytest.mark.parametrize("causal,mask", [(False, None), ("bottom_right", "key_padding")])
 @pytest.mark.parametrize("lq,lk,d", [(17, 33, 40), (33, 17, 64)])
 def test_dropout_forward_and_backward_use_one_mask(lq, lk, d, causal, mask):
@@ -195,9 +206,7 @@ def test_dropout_forward_and_backward_use_one_mask(lq, lk, d, causal, mask):
     q, k, v = _inputs(lq, lk, d, torch.float32)
     attn_mask = None if mask is None else _masks(2, 3, lq, lk)[mask]
     grad_out = torch.randn_like(q)
-    torch.manual_seed(99)
-    keep = _dropout_keep_mask(q, k, p)
-    torch.manual_seed(99)
+    keep = _keep_of_the_next_call(q, k, p)
     _check_against_reference(q, k, v, causal=causal, attn_mask=attn_mask, dropout_p=p,
                              dropout_keep=keep, grad_out=grad_out, atol=2e-5)
 
@@ -228,11 +237,7 @@ def test_variant_tiles_in_16_bits(seeded, variant, d):
         attn_mask = attn_mask.to(q.dtype)  # the reference in fp16 adds it in q's dtype
     p = 0.2 if dropout else 0.0
     grad_out = torch.randn_like(q)
-    keep = None
-    if dropout:
-        torch.manual_seed(99)
-        keep = _dropout_keep_mask(q, k, p)
-        torch.manual_seed(99)
+    keep = _keep_of_the_next_call(q, k, p)
     _check_against_reference(q, k, v, causal=causal, attn_mask=attn_mask, dropout_p=p,
                              dropout_keep=keep, grad_out=grad_out, atol=1e-3)
 
@@ -664,12 +669,9 @@ def test_hopper_exact_float32_tiles_give_the_reference(seeded, monkeypatch, d, c
                                precision="ieee")[:2] == ((64, 16) if d == 64 else (32, 16))
     q, k, v = _inputs(97, 65, d, torch.float32)
     mask = _masks(2, 3, 97, 65)["float"]
-    grad_out = torch.randn_like(q)  # drawn before the seed is reset for the dropout mask
-    p, keep = (0.2, None) if dropout else (0.0, None)
-    if dropout:
-        torch.manual_seed(99)
-        keep = _dropout_keep_mask(q, k, p)
-        torch.manual_seed(99)
+    grad_out = torch.randn_like(q)
+    p = 0.2 if dropout else 0.0
+    keep = _keep_of_the_next_call(q, k, p)
     _check_against_reference(q, k, v, causal=causal, attn_mask=mask, dropout_p=p,
                              dropout_keep=keep, grad_out=grad_out, atol=2e-5)
 
