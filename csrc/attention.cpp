@@ -15,10 +15,10 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "dropout.h"
 #include "vector_math.h"
 
@@ -37,13 +37,6 @@ FASTATTN_INLINE v16u load16u(const uint32_t *p) {
   return x;
 }
 
-// AVX-512 has 32 vector registers, AVX2 16 (and NEON's 32 hold a quarter of a v16 each): a
-// tile of C keeps R · NV v16 accumulators in them.
-#if defined(__x86_64__) && defined(__GNUC__)
-const bool kWideRegisters = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
-#else
-const bool kWideRegisters = false;
-#endif
 
 // C[r, :16 NV] (+)= sum_k A(r, k) B[k, :16 NV] for r < R, with A(r, k) = a[r · ai + k · ak]:
 // each vector of B is loaded once for R rows of C, whose accumulators stay in registers.
@@ -84,15 +77,18 @@ FASTATTN_INLINE void tile_rows(int64_t M, int64_t K, const float *a, int64_t ai,
 FASTATTN_INLINE void matmul(int64_t M, int64_t N, int64_t K, const float *a, int64_t ai,
                             int64_t ak, const float *b, int64_t ldb, float *c, int64_t ldc,
                             bool accumulate) {
+  // AVX-512 has 32 vector registers, AVX2 16 (and NEON's 32 hold a quarter of a v16 each): a
+  // tile of C keeps R · NV v16 accumulators in them.
+  const bool wide = cpu_isa() == CpuIsa::kAvx512;
   int64_t j = 0;
   for (; j + 2 * kLanes <= N; j += 2 * kLanes) {
-    if (kWideRegisters)
+    if (wide)
       tile_rows<4, 2>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
     else
       tile_rows<2, 2>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
   }
   if (j == N) return;
-  if (kWideRegisters)
+  if (wide)
     tile_rows<8, 1>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
   else
     tile_rows<4, 1>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
@@ -454,38 +450,9 @@ FASTATTN_INLINE void backward_pairs(const Problem &p, const Rows<T> &dout, const
   }
 }
 
-// Pairs [begin, end), compiled for each instruction set (see FASTATTN_CLONES).
-FASTATTN_CLONES void forward_pairs_float(const Problem &p, const Rows<float> &q,
-                                         const Rows<float> &k, const Rows<float> &v,
-                                         const Rows<float> &out, float *lse, int64_t begin,
-                                         int64_t end, float *buffer) {
-  forward_pairs(p, q, k, v, out, lse, begin, end, buffer);
-}
-
-FASTATTN_CLONES void forward_pairs_bfloat16(const Problem &p, const Rows<c10::BFloat16> &q,
-                                            const Rows<c10::BFloat16> &k,
-                                            const Rows<c10::BFloat16> &v,
-                                            const Rows<c10::BFloat16> &out, float *lse,
-                                            int64_t begin, int64_t end, float *buffer) {
-  forward_pairs(p, q, k, v, out, lse, begin, end, buffer);
-}
-
-FASTATTN_CLONES void backward_pairs_float(const Problem &p, const Rows<float> &dout,
-                                          const Rows<float> &q, const Rows<float> &k,
-                                          const Rows<float> &v, const Rows<float> &out,
-                                          const float *lse, const Rows<float> &dq,
-                                          const Rows<float> &dk, const Rows<float> &dv,
-                                          int64_t begin, int64_t end, float *buffer) {
-  backward_pairs(p, dout, q, k, v, out, lse, dq, dk, dv, begin, end, buffer);
-}
-
-FASTATTN_CLONES void backward_pairs_bfloat16(
-    const Problem &p, const Rows<c10::BFloat16> &dout, const Rows<c10::BFloat16> &q,
-    const Rows<c10::BFloat16> &k, const Rows<c10::BFloat16> &v, const Rows<c10::BFloat16> &out,
-    const float *lse, const Rows<c10::BFloat16> &dq, const Rows<c10::BFloat16> &dk,
-    const Rows<c10::BFloat16> &dv, int64_t begin, int64_t end, float *buffer) {
-  backward_pairs(p, dout, q, k, v, out, lse, dq, dk, dv, begin, end, buffer);
-}
+// Pairs [begin, end) at the instruction-set level in use.
+FASTATTN_PER_ISA(run_forward_pairs, forward_pairs)
+FASTATTN_PER_ISA(run_backward_pairs, backward_pairs)
 
 template <typename T>
 void forward(const Problem &p, const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
@@ -494,10 +461,7 @@ void forward(const Problem &p, const at::Tensor &q, const at::Tensor &k, const a
   float *lse_data = lse.data_ptr<float>();
   at::parallel_for(0, p.B * p.H, p.grain(), [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(Buffers(p).forward_floats());
-    if constexpr (std::is_same_v<T, float>)
-      forward_pairs_float(p, qr, kr, vr, outr, lse_data, begin, end, buffer.data());
-    else
-      forward_pairs_bfloat16(p, qr, kr, vr, outr, lse_data, begin, end, buffer.data());
+    run_forward_pairs(p, qr, kr, vr, outr, lse_data, begin, end, buffer.data());
   });
 }
 
@@ -509,12 +473,8 @@ void backward(const Problem &p, const at::Tensor &grad_out, const at::Tensor &q,
   const float *lse_data = lse.data_ptr<float>();
   at::parallel_for(0, p.B * p.H, p.grain(), [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(Buffers(p).backward_floats());
-    if constexpr (std::is_same_v<T, float>)
-      backward_pairs_float(p, dor, qr, kr, vr, outr, lse_data, dqr, dkr, dvr, begin, end,
-                           buffer.data());
-    else
-      backward_pairs_bfloat16(p, dor, qr, kr, vr, outr, lse_data, dqr, dkr, dvr, begin, end,
-                              buffer.data());
+    run_backward_pairs(p, dor, qr, kr, vr, outr, lse_data, dqr, dkr, dvr, begin, end,
+                       buffer.data());
   });
 }
 

@@ -2,6 +2,7 @@
 // top-k, finishing, back-filling, the stopping bound, then compaction of the surviving rows.
 #include "beam_search.h"
 
+#include "cpu_isa.h"
 #include "vector_math.h"
 
 #include <ATen/ATen.h>
@@ -57,7 +58,7 @@ class TopCandidates {
 // screened with 16-float vectors and offered element by element only if base + its maximum beats
 // the worst kept score (float addition is monotonic, so this is the comparison offer makes for
 // the chunk's best element). A NaN makes the chunk's sum NaN, a positive value its maximum > 0.
-FASTATTN_CLONES bool offer_row(const float *row, int64_t vocab, float base, int64_t offset,
+FASTATTN_INLINE bool offer_row_body(const float *row, int64_t vocab, float base, int64_t offset,
                                TopCandidates &top) {
   constexpr int64_t kChunk = 64;
   bool valid = true;
@@ -80,6 +81,7 @@ FASTATTN_CLONES bool offer_row(const float *row, int64_t vocab, float base, int6
   }
   return valid;
 }
+FASTATTN_PER_ISA(offer_row, offer_row_body)
 
 struct LiveBeam {
   int64_t row;  // the row of this step it continues

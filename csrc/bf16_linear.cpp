@@ -1,5 +1,6 @@
 #include "bf16_linear.h"
 
+#include "cpu_isa.h"
 #include "row_lse.h"
 #include "vector_math.h"
 
@@ -12,7 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -70,7 +70,7 @@ FASTATTN_INLINE void finish(const Bf16Product &a, int64_t n, int64_t p, const fl
 // pair first; products of two bfloat16s are exact in float32). Not loop-vectorised: GCC 12.2's
 // loop vectoriser miscompiles these sums at -O3 (six products of ones summed to 7), written
 // with the loops either way round.
-FASTATTN_CLONES __attribute__((optimize("no-tree-loop-vectorize"))) void panels_scalar(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+__attribute__((optimize("no-tree-loop-vectorize"))) void panels_scalar(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
   for (int64_t p = p0; p < p1; ++p) {
     const uint16_t *panel = a.panels + p * a.D2 * kVector;
     for (int64_t n = 0; n < a.N; ++n) {
@@ -90,7 +90,7 @@ FASTATTN_CLONES __attribute__((optimize("no-tree-loop-vectorize"))) void panels_
   }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef FASTATTN_X86
 #define FASTATTN_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
 #define FASTATTN_BF16_INLINE FASTATTN_BF16 inline __attribute__((always_inline))
 
@@ -150,22 +150,9 @@ FASTATTN_BF16 void panels_bf16(const Bf16Product &a, int64_t p0, int64_t p1, Row
 }
 #endif
 
-bool use_bf16_instructions() {
-  static const bool bf16 = [] {
-    const char *capability = std::getenv("ATEN_CPU_CAPABILITY");
-    if (capability && std::string(capability) != "avx512") return false;
-#if defined(__x86_64__) && defined(__GNUC__)
-    return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512bf16");
-#else
-    return false;
-#endif
-  }();
-  return bf16;
-}
-
 void run_panels(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (use_bf16_instructions()) return panels_bf16(a, p0, p1, lse);
+#ifdef FASTATTN_X86
+  if (use_avx512_bf16()) return panels_bf16(a, p0, p1, lse);
 #endif
   panels_scalar(a, p0, p1, lse);
 }
@@ -274,6 +261,6 @@ at::Tensor log_softmax_linear_bf16_cpu(const at::Tensor &x, const at::Tensor &pa
   return out;
 }
 
-std::string bf16_kernel_cpu() { return use_bf16_instructions() ? "avx512-bf16" : "scalar"; }
+std::string bf16_kernel_cpu() { return use_avx512_bf16() ? "avx512-bf16" : "scalar"; }
 
 }  // namespace fastattn

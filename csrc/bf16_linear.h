@@ -30,8 +30,8 @@ void log_softmax_linear_bf16_out_cpu(const at::Tensor &x, const at::Tensor &pane
 at::Tensor log_softmax_linear_bf16_cpu(const at::Tensor &x, const at::Tensor &panels,
                                        int64_t out_features);
 
-// The bf16 dot product this machine runs: "avx512-bf16" or "scalar" (ATEN_CPU_CAPABILITY other
-// than avx512 gives "scalar", as for int8).
+// The bf16 dot product run at the instruction-set level in use (cpu_isa.h): "avx512-bf16" or
+// "scalar".
 std::string bf16_kernel_cpu();
 
 }  // namespace fastattn

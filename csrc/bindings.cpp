@@ -6,6 +6,7 @@
 #include "attention.h"
 #include "beam_decode.h"
 #include "beam_search.h"
+#include "cpu_isa.h"
 #include "bf16_linear.h"
 #include "cross_entropy.h"
 #include "decode_attention.h"
@@ -45,6 +46,10 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
   m.def(
       "log_softmax_linear_int8(Tensor x, Tensor panels, Tensor scales, Tensor sums) -> Tensor");
   m.def("int8_kernel() -> str", &fastattn::int8_kernel_cpu);
+  m.def("cpu_isa() -> str", [] { return fastattn::cpu_isa_name(fastattn::cpu_isa()); });
+  m.def("supported_cpu_isa() -> str",
+        [] { return fastattn::cpu_isa_name(fastattn::supported_cpu_isa()); });
+  m.def("set_cpu_isa(str level) -> str", &fastattn::set_cpu_isa);
   m.def("pack_linear_weight_bf16(Tensor weight) -> Tensor");
   m.def("unpack_rows_bf16(Tensor panels, Tensor rows, int dim) -> Tensor");
   m.def("linear_bf16(Tensor x, Tensor panels, Tensor? bias, int out_features) -> Tensor");

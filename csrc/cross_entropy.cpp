@@ -9,6 +9,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "vector_math.h"
 
 namespace fastattn {
@@ -77,14 +78,7 @@ FASTATTN_INLINE void cross_entropy_rows(const Rows<T> &a, int64_t row0, int64_t 
   }
 }
 
-FASTATTN_CLONES void cross_entropy_rows_float(const Rows<float> &a, int64_t row0, int64_t row1) {
-  cross_entropy_rows(a, row0, row1);
-}
-
-FASTATTN_CLONES void cross_entropy_rows_bfloat16(const Rows<c10::BFloat16> &a, int64_t row0,
-                                                 int64_t row1) {
-  cross_entropy_rows(a, row0, row1);
-}
+FASTATTN_PER_ISA(cross_entropy_rows_at_isa, cross_entropy_rows)
 
 template <typename T>
 void cross_entropy_grad(const at::Tensor &logits, const int64_t *target,
@@ -96,10 +90,7 @@ void cross_entropy_grad(const at::Tensor &logits, const int64_t *target,
                   V,                      ignore_index,     static_cast<float>(smoothing)};
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(V, 1)),
                    [&](int64_t row0, int64_t row1) {
-                     if constexpr (std::is_same_v<T, float>)
-                       cross_entropy_rows_float(a, row0, row1);
-                     else
-                       cross_entropy_rows_bfloat16(a, row0, row1);
+                     cross_entropy_rows_at_isa(a, row0, row1);
                    });
 }
 

@@ -7,6 +7,7 @@
 #include "layer_slots.h"
 #include "int8_linear.h"
 #include "packed_linear.h"
+#include "cpu_isa.h"
 #include "vector_math.h"
 
 #include <ATen/ATen.h>
@@ -67,7 +68,7 @@ FASTATTN_INLINE void weighted_sum<float>(const float *w, float scale, const floa
 
 // x = LayerNorm(x + y) · weight + bias over each of the n rows of width d (all contiguous).
 template <typename scalar_t>
-FASTATTN_CLONES void add_layer_norm_rows(scalar_t *x, const scalar_t *y, const scalar_t *weight,
+FASTATTN_INLINE void add_layer_norm_rows_body(scalar_t *x, const scalar_t *y, const scalar_t *weight,
                                          const scalar_t *bias, int64_t n, int64_t d,
                                          scalar_t eps) {
   for (int64_t i = 0; i < n; ++i) {
@@ -82,10 +83,11 @@ FASTATTN_CLONES void add_layer_norm_rows(scalar_t *x, const scalar_t *y, const s
     for (int64_t c = 0; c < d; ++c) xi[c] = (xi[c] - mean) * rstd * weight[c] + bias[c];
   }
 }
+FASTATTN_PER_ISA(add_layer_norm_rows, add_layer_norm_rows_body)
 
 // The same for float rows whose width is a multiple of 8, with 8-lane partial sums: a scalar sum
 // is a chain of d dependent adds, which cost more than all the rest of the row.
-FASTATTN_CLONES void add_layer_norm_rows8(float *x, const float *y, const float *weight,
+FASTATTN_INLINE void add_layer_norm_rows8_body(float *x, const float *y, const float *weight,
                                           const float *bias, int64_t n, int64_t d, float eps) {
   for (int64_t i = 0; i < n; ++i) {
     float *xi = x + i * d;
@@ -107,6 +109,7 @@ FASTATTN_CLONES void add_layer_norm_rows8(float *x, const float *y, const float 
       store8(xi + c, (load8(xi + c) - mean) * rstd * load8(weight + c) + load8(bias + c));
   }
 }
+FASTATTN_PER_ISA(add_layer_norm_rows8, add_layer_norm_rows8_body)
 
 void add_layer_norm_(at::Tensor &x, const at::Tensor &y, const at::Tensor &weight,
                      const at::Tensor &bias, double eps) {
@@ -117,7 +120,7 @@ void add_layer_norm_(at::Tensor &x, const at::Tensor &y, const at::Tensor &weigh
     return;
   }
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "add_layer_norm", [&] {
-    add_layer_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), yc.data_ptr<scalar_t>(),
+    add_layer_norm_rows(x.data_ptr<scalar_t>(), yc.data_ptr<scalar_t>(),
                                   weight.data_ptr<scalar_t>(), bias.data_ptr<scalar_t>(),
                                   x.size(0), x.size(1), static_cast<scalar_t>(eps));
   });
@@ -183,7 +186,7 @@ FASTATTN_INLINE void scores<float>(const float *q, const float *const *keys, con
 // the L scores. A row whose every score is -inf reads zeros; a NaN score makes the row NaN, as
 // softmax does (the running max skips NaNs: where it stays -inf, the row is checked for them).
 template <typename scalar_t>
-FASTATTN_CLONES void attend_query(const scalar_t *q, const scalar_t *const *keys,
+FASTATTN_INLINE void attend_query_body(const scalar_t *q, const scalar_t *const *keys,
                                   const scalar_t *const *values, const scalar_t *biases,
                                   int64_t L, int64_t Dk, int64_t Dv, scalar_t scale, scalar_t *p,
                                   scalar_t *o) {
@@ -200,6 +203,7 @@ FASTATTN_CLONES void attend_query(const scalar_t *q, const scalar_t *const *keys
   for (int64_t j = 0; j < L; ++j) p[j] -= max;
   weighted_sum(p, scalar_t(1) / exp_and_sum(p, L), values, L, Dv, o);
 }
+FASTATTN_PER_ISA(attend_query, attend_query_body)
 
 // Requests a row's cache lines before the loops read it: a decoding cache's rows are scattered
 // (each position may sit in another row), and loading them only as the loops reach them waits

@@ -1,5 +1,6 @@
 #include "int8_linear.h"
 
+#include "cpu_isa.h"
 #include "row_lse.h"
 #include "vector_math.h"
 
@@ -12,7 +13,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -26,7 +26,7 @@ constexpr int64_t kVector = kPanel * kQuad;  // bytes of one panel row: 16 outpu
 // One row quantized: u[d] = round(x[d] / scale) + 128 for d < D, 128 (a zero) up to D4 · 4.
 // Returns scale = max |x| / 127: 0 for a zero row, NaN for a row holding an inf or a NaN (its
 // outputs are then NaN, as float32's would be).
-FASTATTN_CLONES float quantize_row(const float *x, int64_t D, uint8_t *u, int64_t D4) {
+FASTATTN_INLINE float quantize_row_body(const float *x, int64_t D, uint8_t *u, int64_t D4) {
   // Sixteen lanes of max |x| and of x · 0 (NaN once any value is inf or NaN): one running max
   // and sum would stay scalar (a float sum is not reassociated), a lane per element vectorises.
   constexpr int64_t kLanes = 16;
@@ -56,6 +56,7 @@ FASTATTN_CLONES float quantize_row(const float *x, int64_t D, uint8_t *u, int64_
   }
   return amax / 127.f;
 }
+FASTATTN_PER_ISA(quantize_row, quantize_row_body)
 
 // The arguments of one product: N rows of quantized x (row stride xs bytes, scales xscale)
 // against the panels, into out (N, O).
@@ -99,7 +100,7 @@ FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const in
 
 // Panels [p0, p1) for all rows, one row and one panel at a time: the fallback of CPUs without
 // VNNI, the same integers by plain multiply-adds.
-FASTATTN_CLONES void panels_scalar(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+FASTATTN_INLINE void panels_scalar_body(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
   for (int64_t p = p0; p < p1; ++p) {
     const int8_t *panel = a.panels + p * a.D4 * kVector;
     for (int64_t n = 0; n < a.N; ++n) {
@@ -113,8 +114,9 @@ FASTATTN_CLONES void panels_scalar(const Int8Product &a, int64_t p0, int64_t p1,
     }
   }
 }
+FASTATTN_PER_ISA(panels_scalar, panels_scalar_body)
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#ifdef FASTATTN_X86
 #define FASTATTN_VNNI __attribute__((target("arch=x86-64-v4,avx512vnni")))
 #define FASTATTN_VNNI_INLINE FASTATTN_VNNI inline __attribute__((always_inline))
 
@@ -191,22 +193,9 @@ FASTATTN_VNNI void panels_vnni(const Int8Product &a, int64_t p0, int64_t p1, Row
 }
 #endif
 
-bool use_vnni() {
-  static const bool vnni = [] {
-    const char *capability = std::getenv("ATEN_CPU_CAPABILITY");
-    if (capability && std::string(capability) != "avx512") return false;
-#if defined(__x86_64__) && defined(__GNUC__)
-    return __builtin_cpu_supports("x86-64-v4") && __builtin_cpu_supports("avx512vnni");
-#else
-    return false;
-#endif
-  }();
-  return vnni;
-}
-
 void run_panels(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (use_vnni()) return panels_vnni(a, p0, p1, lse);
+#ifdef FASTATTN_X86
+  if (use_avx512_vnni()) return panels_vnni(a, p0, p1, lse);
 #endif
   panels_scalar(a, p0, p1, lse);
 }
@@ -357,6 +346,6 @@ void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &pane
                      });
 }
 
-std::string int8_kernel_cpu() { return use_vnni() ? "avx512-vnni" : "scalar"; }
+std::string int8_kernel_cpu() { return use_avx512_vnni() ? "avx512-vnni" : "scalar"; }
 
 }  // namespace fastattn

@@ -46,8 +46,8 @@ void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &pane
                                      const at::Tensor &scales, const at::Tensor &sums,
                                      at::Tensor &out);
 
-// The int8 dot product this machine runs: "avx512-vnni" or "scalar". ATEN_CPU_CAPABILITY, ATen's
-// own switch, caps it as it caps ATen's kernels: anything but avx512 gives "scalar".
+// The int8 dot product run at the instruction-set level in use (cpu_isa.h): "avx512-vnni" or
+// "scalar".
 std::string int8_kernel_cpu();
 
 }  // namespace fastattn

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_isa.h"
 #include "dropout.h"
 #include "vector_math.h"
 
@@ -28,12 +29,22 @@ FASTATTN_INLINE float add_row(const X *x, const float *r, float *out, int64_t n,
     acc += v;
   }
   float total = sum8(acc);
-  for (; c < n; ++c) {
-    float v = static_cast<float>(x[c]);
-    if constexpr (kDropout) v = d.apply1(v, key, c);
-    if constexpr (kResidual) v += r[c];
-    out[c] = v;
-    total += v;
+  if (c == n) return total;
+  // The last n % 8 through the same vector arithmetic, zero-padded: a scalar tail is contracted
+  // to multiply-adds differently per instantiation, and bfloat16 x would not sum as its float32
+  // copy does.
+  float xt[8] = {}, rt[8] = {}, vt[8];
+  for (int64_t i = 0; c + i < n; ++i) {
+    xt[i] = static_cast<float>(x[c + i]);
+    if constexpr (kResidual) rt[i] = r[c + i];
+  }
+  v8 v = load8(xt);
+  if constexpr (kDropout) v = d.apply8(v, key, c);
+  if constexpr (kResidual) v += load8(rt);
+  store8(vt, v);
+  for (int64_t i = 0; c + i < n; ++i) {
+    out[c + i] = vt[i];
+    total += vt[i];
   }
   return total;
 }
@@ -93,10 +104,11 @@ FASTATTN_INLINE void forward_rows_of(const Forward &a, const X *x, int64_t row0,
   forward_rows_impl<false, false>(a, x, row0, row1);
 }
 
-FASTATTN_CLONES void forward_rows(const Forward &a, int64_t row0, int64_t row1) {
+FASTATTN_INLINE void forward_rows_body(const Forward &a, int64_t row0, int64_t row1) {
   if (a.xb != nullptr) return forward_rows_of(a, a.xb, row0, row1);
   forward_rows_of(a, a.x, row0, row1);
 }
+FASTATTN_PER_ISA(forward_rows, forward_rows_body)
 
 struct Backward : Rows {
   const float *dy, *dsum, *mean, *rstd;  // dsum may be null
@@ -165,17 +177,19 @@ FASTATTN_INLINE void backward_rows_of(const Backward &a, const X *x, X *dx, int6
   backward_rows_impl<false, false>(a, x, dx, row0, row1, work);
 }
 
-FASTATTN_CLONES void backward_rows(const Backward &a, int64_t row0, int64_t row1, float *work) {
+FASTATTN_INLINE void backward_rows_body(const Backward &a, int64_t row0, int64_t row1, float *work) {
   if (a.xb != nullptr) return backward_rows_of(a, a.xb, a.dxb, row0, row1, work);
   backward_rows_of(a, a.x, a.dx, row0, row1, work);
 }
+FASTATTN_PER_ISA(backward_rows, backward_rows_body)
 
-FASTATTN_CLONES void dropout_rows(const float *x, float *y, int64_t row0, int64_t row1, int64_t n,
+FASTATTN_INLINE void dropout_rows_body(const float *x, float *y, int64_t row0, int64_t row1, int64_t n,
                                   const Dropout &d) {
   for (int64_t row = row0; row < row1; ++row) {
     d.apply_row(x + row * n, y + row * n, n, d.key(row));
   }
 }
+FASTATTN_PER_ISA(dropout_rows, dropout_rows_body)
 
 void check_shape(const char *name, const at::Tensor &t, int64_t m, int64_t n) {
   TORCH_CHECK(t.dim() == 2 && t.size(0) == m && t.size(1) == n && (n <= 1 || t.stride(1) == 1),

@@ -1,6 +1,7 @@
 #include "packed_linear.h"
 
 #include "row_lse.h"
+#include "cpu_isa.h"
 #include "vector_math.h"
 
 #include <ATen/ATen.h>
@@ -88,14 +89,17 @@ FASTATTN_INLINE void panel_range(const float *x, int64_t N, int64_t D, const flo
 
 // AVX-512: 32 registers hold 6 rows × 2 panels of 16-float accumulators. AVX2 and SSE: one
 // panel (12 and 24 registers' worth; 16 exist).
-#if defined(__x86_64__) && defined(__GNUC__)
-__attribute__((target("arch=x86-64-v4"))) void panels_avx512(const float *x, int64_t N, int64_t D,
-                                                          const float *packed, const float *bias,
-                                                          int64_t O, int64_t p0, int64_t p1,
-                                                          float *out, RowLse *lse) {
+#ifdef FASTATTN_X86
+FASTATTN_TARGET_AVX512 void panels_avx512(const float *x, int64_t N, int64_t D, const float *packed,
+                                          const float *bias, int64_t O, int64_t p0, int64_t p1,
+                                          float *out, RowLse *lse) {
   panel_range<12, 2>(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
-__attribute__((target_clones("arch=x86-64-v3", "default")))
+FASTATTN_TARGET_AVX2 void panels_avx2(const float *x, int64_t N, int64_t D, const float *packed,
+                                      const float *bias, int64_t O, int64_t p0, int64_t p1,
+                                      float *out, RowLse *lse) {
+  panel_range<6, 1>(x, N, D, packed, bias, O, p0, p1, out, lse);
+}
 #endif
 void panels_portable(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
                      int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
@@ -104,9 +108,12 @@ void panels_portable(const float *x, int64_t N, int64_t D, const float *packed, 
 
 void panels(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
             int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool avx512 = __builtin_cpu_supports("x86-64-v4");
-  if (avx512) return panels_avx512(x, N, D, packed, bias, O, p0, p1, out, lse);
+#ifdef FASTATTN_X86
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512: return panels_avx512(x, N, D, packed, bias, O, p0, p1, out, lse);
+    case CpuIsa::kAvx2: return panels_avx2(x, N, D, packed, bias, O, p0, p1, out, lse);
+    default: break;
+  }
 #endif
   panels_portable(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
@@ -133,10 +140,15 @@ int64_t panel_grain(int64_t N, int64_t D) {
 
 }  // namespace
 
-FASTATTN_CLONES void subtract_rows(float *x, int64_t O, const float *lse, int64_t begin,
-                                   int64_t end) {
+FASTATTN_INLINE void subtract_rows_body(float *x, int64_t O, const float *lse, int64_t begin,
+                                        int64_t end) {
   for (int64_t r = begin; r < end; ++r)
     for (int64_t c = 0; c < O; ++c) x[r * O + c] -= lse[r];
+}
+FASTATTN_PER_ISA(subtract_rows_at_isa, subtract_rows_body)
+
+void subtract_rows(float *x, int64_t O, const float *lse, int64_t begin, int64_t end) {
+  subtract_rows_at_isa(x, O, lse, begin, end);
 }
 
 at::Tensor pack_linear_weight_cpu(const at::Tensor &weight) {

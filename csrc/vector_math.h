@@ -8,19 +8,9 @@
 
 namespace fastattn {
 
-// Built for x86-64-v4 (AVX-512), x86-64-v3 (AVX2 and FMA) and baseline x86-64, picked at load
-// time: the extension is compiled without -march, so without clones the loops would use SSE only.
-// The levels, not single features: "avx512f" alone has no FMA, and GCC lowers vector compares
-// that produce lanes without AVX512DQ's mask moves to scalar code.
-#if defined(__x86_64__) && defined(__GNUC__)
-#define FASTATTN_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FASTATTN_CLONES
-#endif
-
-// For helpers inlined into a cloned function: a call through the clones' dispatch per element
-// would cost more than its arithmetic.
+// For helpers and kernel bodies: inlined into each instruction-set level's function
+// (FASTATTN_PER_ISA, cpu_isa.h), they compile for that level; a call per element would also cost
+// more than its arithmetic.
 #define FASTATTN_INLINE inline __attribute__((always_inline))
 
 // Eight floats as one value: GCC emits one AVX register per v8 (two SSE registers in the baseline

@@ -16,7 +16,7 @@ if _as_command and signal.getsignal(signal.SIGINT) is signal.default_int_handler
     signal.signal(signal.SIGINT, _interrupted_while_importing)
 
 from fastattn import _extras, ops  # noqa: E402
-from fastattn._native import native  # noqa: E402
+from fastattn._native import cpu_isa, native, set_cpu_isa  # noqa: E402
 from fastattn.backend import get_backend, set_backend  # noqa: E402
 from fastattn.model import PRESETS, Transformer, TransformerConfig  # noqa: E402
 from fastattn.modules import (  # noqa: E402
@@ -45,12 +45,14 @@ __all__ = [
     "TransformerConfig",
     "Translator",
     "beam_search",
+    "cpu_isa",
     "get_backend",
     "greedy_search",
     "native",
     "ops",
     "replace_multihead_attention",
     "set_backend",
+    "set_cpu_isa",
 ]
 
 

@@ -1,9 +1,18 @@
-"""Loads the compiled extension fastattn._C, or says once what falls back to Python without it."""
+"""Loads the compiled extension fastattn._C, or says once what falls back to Python without it;
+and the instruction-set level its CPU kernels run at (FASTATTN_CPU_ISA)."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from types import ModuleType
+
+import torch
+
+# The levels fastattn._C's CPU kernels are compiled for, lowest first: portable C++ for the
+# baseline (x86-64: SSE2), x86-64-v3 (AVX2 + FMA), x86-64-v4 (AVX-512; VNNI and BF16 where the
+# CPU has them).
+CPU_ISA_LEVELS = ("scalar", "avx2", "avx512")
 
 
 def _load() -> ModuleType | None:
@@ -16,7 +25,30 @@ def _load() -> ModuleType | None:
             stacklevel=3,
         )
         return None
+    level = os.environ.get("FASTATTN_CPU_ISA", "")
+    if level:  # the extension read it when it loaded; an unknown name is an error here
+        set_cpu_isa(level, source="FASTATTN_CPU_ISA")
     return _C
+
+
+def cpu_isa() -> str:
+    """The instruction-set level fastattn._C's CPU kernels run at now ("scalar" without it)."""
+    return torch.ops.fastattn.cpu_isa() if native is not None else "scalar"
+
+
+def supported_cpu_isas() -> tuple[str, ...]:
+    """The levels this CPU runs, lowest first."""
+    best = torch.ops.fastattn.supported_cpu_isa() if native is not None else "scalar"
+    return CPU_ISA_LEVELS[:CPU_ISA_LEVELS.index(best) + 1]
+
+
+def set_cpu_isa(level: str, source: str = "set_cpu_isa") -> str:
+    """Holds every native CPU kernel to `level` or below (a level above the CPU's runs at the
+    CPU's best), for this process; returns the level in use. FASTATTN_CPU_ISA sets it at load."""
+    if level not in CPU_ISA_LEVELS:
+        raise ValueError(f"{source}: unknown instruction-set level {level!r}; expected one of "
+                         f"{', '.join(reversed(CPU_ISA_LEVELS))}")
+    return torch.ops.fastattn.set_cpu_isa(level)
 
 
 native: ModuleType | None = _load()

@@ -1,12 +1,14 @@
 """python -m fastattn.info: what this installation runs, as `python -m xformers.info` prints it.
 
 Versions, the extension fastattn._C, Triton, the backend override, the CPU's vector features, the
-GPU, and the dispatch table: for every op, device, dtype and grad mode, the implementation
-fastattn.backend.implementation names, which is the function the ops ask on every call.
+instruction-set level the native kernels run at (FASTATTN_CPU_ISA), the GPU, and the dispatch
+table: for every op, device, dtype and grad mode, the implementation fastattn.backend.implementation
+names, which is the function the ops ask on every call.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 
 import fastattn
-from fastattn import backend, decoding
+from fastattn import _native, backend, decoding
 from fastattn.backend import OPS, implementation
 from fastattn.cli import ArgumentParser
 
@@ -72,6 +74,17 @@ def _extension() -> str:
            f"{'yes' if cuda_search else 'no'}"
 
 
+def _cpu_isa() -> str:
+    """The instruction-set level fastattn._C's CPU kernels run at, and why."""
+    if fastattn.native is None:
+        return "none (fastattn._C not built)"
+    best = _native.supported_cpu_isas()[-1]
+    level = _native.cpu_isa()
+    held = os.environ.get("FASTATTN_CPU_ISA")
+    why = f"held by FASTATTN_CPU_ISA={held}" if held else "FASTATTN_CPU_ISA unset"
+    return f"{level} (this CPU's best: {best}; {why}; levels: {', '.join(_native.CPU_ISA_LEVELS)})"
+
+
 def _decoding() -> str:
     """The native decoder's precisions and the int8 and bf16 dot products it runs here."""
     if not decoding.NATIVE_DECODER_STEP:
@@ -110,6 +123,7 @@ def report() -> str:
         f"{'cpu':<28}{platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} torch threads",
         f"{'cpu features':<28}{_cpu_features()}",
+        f"{'cpu isa (FASTATTN_CPU_ISA)':<28}{_cpu_isa()}",
         f"{'gpu':<28}{_gpu()}",
         f"{'cpu decoding':<28}{_decoding()}",
         "",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastattn._native import cpu_isa, set_cpu_isa, supported_cpu_isas
 from fastattn.backend import get_backend
 
 # Kernels run through Triton's CPU interpreter: slow, and without bf16 or fp64.
@@ -95,6 +96,21 @@ def pytest_collection_modifyitems(config, items):
              for test in TRITON_TESTS.get(name, ()) if not hasattr(module, test)]
     if stale:
         raise pytest.UsageError(f"tests/conftest.py TRITON_TESTS names missing tests: {stale}")
+
+
+# fastattn._C's CPU kernels at every instruction-set level this CPU runs (FASTATTN_CPU_ISA), so that
+# an AVX-512 machine tests the AVX2 and scalar builds too; the interpreter pass, whose subject is
+# the Triton kernels, keeps the level in use.
+CPU_ISAS = (cpu_isa(),) if INTERPRETED else supported_cpu_isas()
+
+
+@pytest.fixture(params=CPU_ISAS)
+def at_every_cpu_isa(request) -> str:
+    """Runs the test with fastattn._C's CPU kernels held to each level; the test gets it."""
+    before = cpu_isa()
+    level = set_cpu_isa(request.param)
+    yield level
+    set_cpu_isa(before)
 
 
 @pytest.fixture

@@ -317,7 +317,7 @@ def test_registered_op_fake_and_autograd(seeded):
     (13, 64, 8, "bottom_right", "float"), (64, 33, 12, False, "bool_full"),
     (33, 17, 24, "bottom_right", "bool_broadcast"), (5, 9, 72, False, "float_broadcast_heads"),
 ])
-def test_native_cpu_attention(seeded, lq, lk, d, causal, mask_name, dtype):
+def test_native_cpu_attention(at_every_cpu_isa, seeded, lq, lk, d, causal, mask_name, dtype):
     """The CPU training path, fastattn._C's kernels, through attention(): head widths that fill
     their 16-float vectors (16, 32, 64) and that are padded to them (8, 12, 24, 72), queries over
     two score tiles (97 > 64), every mask kind."""
@@ -335,7 +335,7 @@ def test_native_cpu_attention(seeded, lq, lk, d, causal, mask_name, dtype):
 @pytest.mark.parametrize("lq,lk,d,causal,mask_name", [
     (17, 33, 32, "bottom_right", "key_padding"), (33, 17, 24, True, "float"),
 ])
-def test_native_cpu_attention_dropout(lq, lk, d, causal, mask_name, dtype):
+def test_native_cpu_attention_dropout(at_every_cpu_isa, lq, lk, d, causal, mask_name, dtype):
     """fastattn._C's kernels with dropout: the mask they draw (cpu_dropout's, from the same seed)
     explains the output and every gradient, at a head width that fills its vectors (32) and at one
     padded to them (24)."""
@@ -357,7 +357,7 @@ def test_native_cpu_attention_dropout(lq, lk, d, causal, mask_name, dtype):
 @pytest.mark.skipif(not (NATIVE or INTERPRETED), reason=NATIVE_REASON)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("grad_layout", ["heads-last", "contiguous"])
-def test_results_merge_heads_without_a_copy(seeded, dtype, grad_layout):
+def test_results_merge_heads_without_a_copy(at_every_cpu_isa, seeded, dtype, grad_layout):
     """fastattn._C and the Triton kernels write out, dq, dk and dv laid out as (B, L, H, D), so
     the (B, L, H·D) the projections read is a view (no copy on a GPU either); a grad_out in
     another layout is read as well (against the reference)."""

@@ -1,19 +1,20 @@
 """bf16 decoding's ops (csrc/bf16_linear.h) against float64 products of the bfloat16-rounded
-operands (the kernel sums in float32), against float32 (the rounding error), and the scalar
-fallback against the AVX-512 BF16 kernel. The decoder in bf16: tests/test_decoding_precision.py."""
+operands (the kernel sums in float32) and against float32 (the rounding error), at every
+instruction-set level this CPU runs. The decoder in bf16: tests/test_decoding_precision.py."""
 
-import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import fastattn.decoding  # noqa: F401 - loads fastattn._C, which registers the ops
+from fastattn._native import set_cpu_isa, supported_cpu_isas
 from fastattn.decoding import NATIVE_BF16
 
 pytestmark = pytest.mark.skipif(not NATIVE_BF16, reason="fastattn._C is not built")
 ops = torch.ops.fastattn if NATIVE_BF16 else None
+CPU_FLAGS = next((line.split(":", 1)[1].split() for line in
+                  Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
 
 
 def case(rows, inputs, outputs, seed=0):
@@ -32,7 +33,7 @@ SHAPES = [(1, 17, 33), (5, 64, 16), (6, 97, 100), (13, 1, 17), (37, 128, 97), (2
 
 
 @pytest.mark.parametrize(("rows", "inputs", "outputs"), SHAPES)
-def test_pack_linear_weight_bf16_layout(rows, inputs, outputs):
+def test_pack_linear_weight_bf16_layout(at_every_cpu_isa, rows, inputs, outputs):
     _, w, _ = case(rows, inputs, outputs)
     panels = ops.pack_linear_weight_bf16(w)
     assert panels.shape == (-(-outputs // 16), -(-inputs // 2), 16, 2)
@@ -47,7 +48,8 @@ def test_pack_linear_weight_bf16_layout(rows, inputs, outputs):
 
 @pytest.mark.parametrize(("rows", "inputs", "outputs"), SHAPES)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_bf16_matches_the_rounded_product_and_float32(rows, inputs, outputs, with_bias):
+def test_linear_bf16_matches_the_rounded_product_and_float32(at_every_cpu_isa, rows, inputs,
+                                                             outputs, with_bias):
     x, w, bias = case(rows, inputs, outputs)
     bias = bias if with_bias else None
     out = ops.linear_bf16(x, ops.pack_linear_weight_bf16(w), bias, outputs)
@@ -62,14 +64,14 @@ def test_linear_bf16_matches_the_rounded_product_and_float32(rows, inputs, outpu
 
 
 @pytest.mark.parametrize(("rows", "outputs"), [(1, 37), (4, 16), (17, 1000), (33, 8000)])
-def test_log_softmax_linear_bf16(rows, outputs):
+def test_log_softmax_linear_bf16(at_every_cpu_isa, rows, outputs):
     x, w, _ = case(rows, 64, outputs, seed=1)
     out = ops.log_softmax_linear_bf16(x, ops.pack_linear_weight_bf16(w), outputs)
     expected = torch.log_softmax(rounded_product(x, w), -1)
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=3e-5)
 
 
-def test_bf16_edges():
+def test_bf16_edges(at_every_cpu_isa):
     x, w, bias = case(3, 20, 40)
     x[2, 5] = float("nan")
     panels = ops.pack_linear_weight_bf16(w)
@@ -84,30 +86,18 @@ def test_bf16_edges():
         ops.unpack_rows_bf16(panels, torch.tensor([48]), 20)
 
 
-SCALAR_RUN = """
-import sys, torch, fastattn.decoding
-ops = torch.ops.fastattn
-x, w, b = torch.load(sys.argv[1])
-panels = ops.pack_linear_weight_bf16(w)
-outs = [ops.linear_bf16(x, panels, b, w.shape[0]),
-        ops.log_softmax_linear_bf16(x, panels, w.shape[0])]
-torch.save((ops.bf16_kernel(), outs), sys.argv[1])
-"""
-
-
-def test_scalar_kernel_computes_what_avx512_bf16_computes(tmp_path):
-    """ATEN_CPU_CAPABILITY=default selects the scalar loop, which sums as vdpbf16ps does; the
-    instruction flushes subnormal values to zero and the loop does not, so the two agree to
-    float32 rounding, not necessarily bit for bit. The inputs travel by file: ATen's own kernels,
-    randn's included, round differently under that setting."""
+def test_every_level_computes_what_avx512_bf16_computes(at_every_cpu_isa):
+    """Below AVX-512 BF16 the scalar loop sums as vdpbf16ps does; the instruction flushes
+    subnormal values to zero and the loop does not, and the loop's float32 sums are contracted
+    differently per level, so the levels agree to float32 rounding, not bit for bit."""
     x, w, b = case(37, 97, 100)
-    path = tmp_path / "io.pt"
-    torch.save((x, w, b), path)
-    env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
-    subprocess.run([sys.executable, "-c", SCALAR_RUN, str(path)], env=env, check=True)
-    kernel, (linear, log_softmax) = torch.load(path)
-    assert kernel == "scalar"
     panels = ops.pack_linear_weight_bf16(w)
-    torch.testing.assert_close(ops.linear_bf16(x, panels, b, 100), linear, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ops.log_softmax_linear_bf16(x, panels, 100), log_softmax,
-                               rtol=1e-6, atol=1e-6)
+    outs = [ops.linear_bf16(x, panels, b, 100), ops.log_softmax_linear_bf16(x, panels, 100)]
+    has_bf16 = "avx512_bf16" in CPU_FLAGS
+    assert ops.bf16_kernel() == ("avx512-bf16" if at_every_cpu_isa == "avx512" and has_bf16
+                                 else "scalar")
+    set_cpu_isa(supported_cpu_isas()[-1])
+    assert torch.equal(ops.pack_linear_weight_bf16(w), panels)
+    best = [ops.linear_bf16(x, panels, b, 100), ops.log_softmax_linear_bf16(x, panels, 100)]
+    for out, best_out in zip(outs, best, strict=True):
+        torch.testing.assert_close(out, best_out, rtol=1e-6, atol=1e-6)

@@ -47,7 +47,7 @@ def _assert_within(ours, exact, torch_lowp, floor):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("vocab", [1, 16, 512, 1000, 1023, 4099])
-def test_matches_float64_reference(vocab, dtype, smoothing, reduction):
+def test_matches_float64_reference(at_every_cpu_isa, vocab, dtype, smoothing, reduction):
     logits = torch.randn(N, vocab, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     logits = (logits * 4).to(dtype).double()  # exactly representable in dtype
     target = _target(N, vocab)
@@ -141,7 +141,7 @@ def test_large_vocabulary():
     _assert_within(out, exact, lowp, 1e-3)
 
 
-def test_bfloat16_logits():
+def test_bfloat16_logits(at_every_cpu_isa):
     logits = torch.randn(N, 1000, dtype=torch.float64) * 3
     target = _target(N, 1000)
     x = logits.bfloat16().requires_grad_()
@@ -213,7 +213,7 @@ def test_linear_matches_float64_reference(small_chunks, bias, smoothing, reducti
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [1, 17, 97, 1023])
 @pytest.mark.parametrize("scale", [1.0, 30.0])  # 30: logits spread over hundreds
-def test_linear_odd_vocabularies(small_chunks, vocab, scale, dtype):
+def test_linear_odd_vocabularies(at_every_cpu_isa, small_chunks, vocab, scale, dtype):
     """Vocabularies that are not a multiple of the CPU kernel's 8-float vectors (vector body and
     scalar tail, float32 and bfloat16 rows), and logits wide enough that exp underflows for most
     classes; within twice PyTorch's own error in the same dtype of float64."""

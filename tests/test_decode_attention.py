@@ -48,7 +48,7 @@ def inputs(groups, heads, rows, keys, d_k, d_v, dtype, seed=0):
     "groups,heads,rows,keys,d_k,d_v",
     [(1, 1, 1, 1, 8, 8), (3, 4, 1, 17, 32, 32), (2, 2, 4, 97, 16, 24), (5, 1, 3, 1023, 64, 64)],
 )
-def test_matches_float64_reference(groups, heads, rows, keys, d_k, d_v, dtype):
+def test_matches_float64_reference(at_every_cpu_isa, groups, heads, rows, keys, d_k, d_v, dtype):
     q, k, v = inputs(groups, heads, rows, keys, d_k, d_v, dtype)
     bias = torch.zeros(groups, keys, dtype=dtype)
     bias[0, keys // 2:] = -math.inf  # padding of the first group's source
@@ -59,7 +59,7 @@ def test_matches_float64_reference(groups, heads, rows, keys, d_k, d_v, dtype):
         torch.testing.assert_close(out.double(), reference(q, k, v, b, 0.3), **tol)
 
 
-def test_fully_masked_row_reads_zeros():
+def test_fully_masked_row_reads_zeros(at_every_cpu_isa):
     q, k, v = inputs(2, 2, 1, 5, 8, 8, torch.float32)
     bias = torch.zeros(2, 5)
     bias[1] = -math.inf
@@ -69,7 +69,7 @@ def test_fully_masked_row_reads_zeros():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("keys", [1, 5, 19])
-def test_nan_in_a_query_row_gives_nan_in_that_row(dtype, keys):
+def test_nan_in_a_query_row_gives_nan_in_that_row(at_every_cpu_isa, dtype, keys):
     """As softmax (and the explicit product) does: the running max skips a NaN score, so a row
     of NaN scores used to read as one with no key, zeros. Fully masked rows still read zeros,
     and a NaN score among finite ones, or beside -inf ones, makes the row NaN too."""
@@ -88,7 +88,7 @@ def test_nan_in_a_query_row_gives_nan_in_that_row(dtype, keys):
     assert torch.ops.fastattn.decode_attention(q, k[:1, :1], v[:1, :1], bias, 0.5).isnan().all()
 
 
-def test_step_attention_native_equals_explicit_product():
+def test_step_attention_native_equals_explicit_product(at_every_cpu_isa):
     """The model's two paths agree (the bias as the decoder keeps it, (G, 1, 1, L))."""
     q, k, v = inputs(3, 4, 2, 11, 16, 16, torch.float64)
     bias = torch.zeros(3, 1, 1, 11, dtype=torch.float64)
@@ -117,7 +117,7 @@ def test_bad_input_errors(change, message):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_keys_read_through_cache_rows(dtype):
+def test_keys_read_through_cache_rows(at_every_cpu_isa, dtype):
     """rows[g, j] names the cache row holding key j of group g (beam search's shared prefixes);
     the bias follows the key's row."""
     g = torch.Generator().manual_seed(3)
@@ -139,7 +139,7 @@ def test_keys_read_through_cache_rows(dtype):
         torch.ops.fastattn.decode_attention(q, k, v, None, 0.25, rows + cache_rows)
 
 
-def test_softmax_weights_over_a_wide_range_of_scores():
+def test_softmax_weights_over_a_wide_range_of_scores(at_every_cpu_isa):
     """Scores from -100 to 0: every weight within float32 rounding of softmax (the vectorised
     exp), and weights below float32's range exactly 0."""
     keys = 200
@@ -177,7 +177,7 @@ def test_decoder_step_bad_input_errors():
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 33])
 @pytest.mark.parametrize("out_features, in_features", [(1, 8), (17, 17), (97, 64), (1023, 128)])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_packed_linear_matches_fp64(rows, out_features, in_features, with_bias):
+def test_packed_linear_matches_fp64(at_every_cpu_isa, rows, out_features, in_features, with_bias):
     """fastattn::linear through the few-row panels (rows <= 32) and through ATen (33 rows)."""
     x = torch.randn(rows, in_features)
     weight = torch.randn(out_features, in_features)
@@ -205,7 +205,7 @@ def test_packed_linear_bad_input_errors():
 
 @pytest.mark.parametrize("vocab", [1, 17, 97, 1023, 8000])
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 40])
-def test_log_softmax_linear_matches_fp64(rows, vocab):
+def test_log_softmax_linear_matches_fp64(at_every_cpu_isa, rows, vocab):
     """fastattn::log_softmax_linear (the decoding step's output) against float64: one block of
     rows, several blocks, and a wide range of logits (x through an identity weight)."""
     x = torch.randn(rows, 64)
@@ -222,7 +222,7 @@ def test_log_softmax_linear_matches_fp64(rows, vocab):
                                atol=2e-5)
 
 
-def test_log_softmax_linear_propagates_nan_and_keeps_other_dtypes():
+def test_log_softmax_linear_propagates_nan_and_keeps_other_dtypes(at_every_cpu_isa):
     x, weight = torch.randn(20, 8), torch.randn(50, 8)
     x[1, 3] = float("nan")
     out = torch.ops.fastattn.log_softmax_linear(x, weight,

@@ -45,7 +45,7 @@ CASES = {
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_native_encoder_equals_the_python_modules_bit_for_bit(case, dtype):
+def test_native_encoder_equals_the_python_modules_bit_for_bit(at_every_cpu_isa, case, dtype):
     cfg, batch, length, lengths = CASES[case]
     model = make_model(cfg, dtype)
     src = source(batch, length, lengths)

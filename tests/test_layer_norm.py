@@ -84,7 +84,7 @@ def _compare(n, dtype, dropout_p=0.0, seed=0, **input_kw):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n", [1, 16, 512, 1000, 1023, 4099])
-def test_matches_float64_reference(n, dtype):
+def test_matches_float64_reference(at_every_cpu_isa, n, dtype):
     _compare(n, dtype)
 
 
@@ -93,12 +93,12 @@ def test_matches_float64_reference(n, dtype):
     [dict(residual=False), dict(weight=False, bias=False), dict(bias=False), dict(weight=False)],
 )
 @pytest.mark.parametrize("n", [1000, 4099])  # the one-pass and the two-pass (wide) backward
-def test_optional_residual_weight_bias(parts, n):
+def test_optional_residual_weight_bias(at_every_cpu_isa, parts, n):
     _compare(n, torch.float32, **parts)
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.1])
-def test_bfloat16(dropout_p):
+def test_bfloat16(at_every_cpu_isa, dropout_p):
     _compare(1000, torch.bfloat16, dropout_p=dropout_p)
 
 
@@ -113,7 +113,7 @@ def test_mixed_dtypes_promote(dtype, dropout_p):
 @pytest.mark.skipif(not NATIVE, reason="needs fastattn._C's CPU kernels")
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("n", [1, 17, 128, 1023])
-def test_bfloat16_beside_float32_residual_reads_x_as_it_is(dropout_p, n):
+def test_bfloat16_beside_float32_residual_reads_x_as_it_is(at_every_cpu_isa, dropout_p, n):
     """The CPU kernel reads bfloat16 x itself; its results equal those of a float32 copy of x bit
     for bit, dx rounded to bfloat16 once (what the copy's backward does)."""
     g = torch.Generator().manual_seed(n)
@@ -133,7 +133,7 @@ def test_bfloat16_beside_float32_residual_reads_x_as_it_is(dropout_p, n):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("dropout_p", [0.1, 0.5])
-def test_dropout_matches_reference_with_its_mask(dropout_p, dtype):
+def test_dropout_matches_reference_with_its_mask(at_every_cpu_isa, dropout_p, dtype):
     """Forward and every gradient agree with the reference given the op's own keep mask, so the
     backward regenerated exactly the mask of the forward."""
     keep = _compare(1023, dtype, dropout_p=dropout_p, seed=3)
@@ -193,7 +193,7 @@ def test_dropout_reproducible_under_manual_seed():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_standalone_dropout(dtype):
+def test_standalone_dropout(at_every_cpu_isa, dtype):
     """ops.dropout (the model's embedding and activation dropout): kept entries scaled by
     1 / (1 - p), the rest zero, about 1 - p kept, gradient = keep / (1 - p) times grad_output."""
     x = (torch.rand(64, 1024) + 1.0).to(dtype).requires_grad_()  # never zero: zeros = dropped
@@ -236,7 +236,8 @@ def test_returns_only_y_by_default_and_keeps_shape():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 @pytest.mark.parametrize("n", [17, 4099])  # the one-pass and the two-pass (wide) backward
-def test_x_bias_is_added_before_dropout_and_gets_its_gradient(dtype, dropout_p, n):
+def test_x_bias_is_added_before_dropout_and_gets_its_gradient(at_every_cpu_isa, dtype, dropout_p,
+                                                              n):
     """x_bias, the bias of the linear map that made x: y = LN(r + dropout(x + x_bias)) and every
     gradient, x_bias's too, against float64 (graded as the other inputs are)."""
     masters, dtypes = _inputs(n, dtype, seed=3)

@@ -147,7 +147,7 @@ def test_matches_reference_search(impl, problem):
 
 @needs_native
 @pytest.mark.parametrize("seed", range(4))
-def test_native_equals_python(seed):
+def test_native_equals_python(at_every_cpu_isa, seed):
     g = torch.Generator().manual_seed(seed)
     draw = lambda low, high: int(torch.randint(low, high, (1,), generator=g))
     # Vocabularies past the native scan's 64-score chunks, which it skips when none can enter.

@@ -1,0 +1,86 @@
+#include "cpu_isa.h"
+
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+
+namespace fastattn {
+
+namespace {
+
+constexpr const char *kNames[] = {"scalar", "avx2", "avx512"};
+
+CpuIsa detect() {
+#ifdef FASTATTN_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return CpuIsa::kAvx512;
+  if (__builtin_cpu_supports("x86-64-v3")) return CpuIsa::kAvx2;
+#endif
+  return CpuIsa::kScalar;
+}
+
+CpuIsa parse(const std::string &level) {
+  for (int i = 0; i < 3; ++i)
+    if (level == kNames[i]) return static_cast<CpuIsa>(i);
+  TORCH_CHECK(false, "FASTATTN_CPU_ISA: unknown level '", level,
+              "', expected avx512, avx2 or scalar");
+}
+
+// Held below the CPU's best by FASTATTN_CPU_ISA; an unknown name is reported by fastattn's Python
+// side when it loads the extension (a static initialiser cannot raise).
+CpuIsa initial() {
+  const CpuIsa best = detect();
+  const char *env = std::getenv("FASTATTN_CPU_ISA");
+  if (!env || !*env) return best;
+  for (int i = 0; i < 3; ++i)
+    if (std::string(env) == kNames[i]) return std::min(best, static_cast<CpuIsa>(i));
+  return best;
+}
+
+std::atomic<int> level{static_cast<int>(initial())};
+
+}  // namespace
+
+CpuIsa supported_cpu_isa() {
+  static const CpuIsa best = detect();
+  return best;
+}
+
+CpuIsa cpu_isa() { return static_cast<CpuIsa>(level.load(std::memory_order_relaxed)); }
+
+std::string cpu_isa_name(CpuIsa isa) { return kNames[static_cast<int>(isa)]; }
+
+std::string set_cpu_isa(const std::string &name) {
+  level.store(static_cast<int>(std::min(parse(name), supported_cpu_isa())));
+  return cpu_isa_name(cpu_isa());
+}
+
+bool use_avx512_vnni() {
+#ifdef FASTATTN_X86
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has && cpu_isa() == CpuIsa::kAvx512;
+#else
+  return false;
+#endif
+}
+
+bool use_avx512_bf16() {
+#ifdef FASTATTN_X86
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has && cpu_isa() == CpuIsa::kAvx512;
+#else
+  return false;
+#endif
+}
+
+bool use_avx_vnni() {
+#ifdef FASTATTN_X86
+  static const bool has = __builtin_cpu_supports("avxvnni");
+  return has && cpu_isa() >= CpuIsa::kAvx2;
+#else
+  return false;
+#endif
+}
+
+}  // namespace fastattn
