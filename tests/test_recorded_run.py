@@ -1,24 +1,27 @@
 """A tiny two-member training run gives the losses, gradient norms, final weights and test BLEU
-recorded in tests/data/recorded_run*.json, bit for bit: restructuring the trainer, the ops or the
+recorded in tests/data/recorded_run_*.json, bit for bit: restructuring the trainer, the ops or the
 model must not change a number. And a checkpoint written before the redesign of issue 48
 (tests/data/checkpoint_pre48_00000010.pt, update 10 of a one-member run, written on Zen 5) still
 resumes to the recorded updates 11 to 20.
 
-One thread, MKL's conditional numerical reproducibility pinned to its AVX2 code path (MKL_CBWR)
-and the PyTorch ops (FASTATTN_BACKEND=torch) with fastattn._C's CPU kernels make a run
-reproducible on one CPU vendor, not across vendors: on Intel a run rounds differently than on AMD
-(update 5's gradient norm differs in the 7th digit; the libraries' vendor-specific code paths, MKL
-or oneDNN, not fastattn: the old code differs the same way). So there is a record per vendor,
-each made by the code before the redesign (commit ee131e1): recorded_run.json on AMD (Zen 5; Zen 4
-gives the same numbers), recorded_run_GenuineIntel.json on a 2-core Intel Xeon (family 6 model 207,
-AVX-512, no AMX visible) with the Zen 5 checkpoint above. The current code gives the same numbers
-as ee131e1 on both.
+One thread, MKL's conditional numerical reproducibility pinned to its AVX2 code path (MKL_CBWR),
+ATen's and fastattn._C's kernels held to one instruction-set level (ATEN_CPU_CAPABILITY,
+FASTATTN_CPU_ISA) and the PyTorch ops (FASTATTN_BACKEND=torch) make a run reproducible on one CPU
+vendor at one level, not across them: AVX-512 and AVX2 code contract and vectorise differently
+(update 14's gradient norm differs in its last bits), and on Intel a run rounds differently than
+on AMD at the same level (update 5's gradient norm differs in the 7th digit: the libraries'
+vendor-specific code paths, MKL or oneDNN, not fastattn). So there is a record per vendor and
+level, recorded_run_<vendor>_<level>.json, and the run takes the best level this CPU has, or the
+one FASTATTN_CPU_ISA holds it to:
+- AuthenticAMD avx512: Zen 5 and Zen 4, made by the code before the redesign (commit ee131e1);
+- GenuineIntel avx512: a 2-core Xeon (family 6 model 207, AVX-512, no AMX visible), with the Zen 5
+  checkpoint above, by ee131e1 too;
+- AuthenticAMD avx2: a Zen 4 held to AVX2 (FASTATTN_CPU_ISA=avx2), the level a Zen 3 runs.
 
-Re-record only when a change is meant to alter the numbers, on each vendor, and say why in its
-commit (it writes this CPU vendor's record; the old checkpoint stays as it is):
-    python tests/test_recorded_run.py --record
+Re-record only when a change is meant to alter the numbers, on each vendor and level, and say why
+in its commit (it writes this CPU's record at the level in use; the old checkpoint stays as it is):
+    [FASTATTN_CPU_ISA=avx2] python tests/test_recorded_run.py --record
 """
-
 from __future__ import annotations
 
 import hashlib
@@ -32,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fastattn import checkpoint, data
+from fastattn import checkpoint, cpu_isa, data
 
 
 def cpu_vendor() -> str:
@@ -44,12 +47,13 @@ def cpu_vendor() -> str:
 
 
 VENDOR = cpu_vendor()
-RECORD = Path(__file__).parent / "data" / (
-    "recorded_run.json" if VENDOR == "AuthenticAMD" else f"recorded_run_{VENDOR}.json")
+LEVEL = cpu_isa()  # the best this CPU runs, or what FASTATTN_CPU_ISA holds it to
+RECORD = Path(__file__).parent / "data" / f"recorded_run_{VENDOR}_{LEVEL}.json"
 OLD_CHECKPOINT = Path(__file__).parent / "data" / "checkpoint_pre48_00000010.pt"
 UPDATES = 30
 ENV = {**os.environ, "FASTATTN_BACKEND": "torch", "MKL_CBWR": "AVX2", "OMP_NUM_THREADS": "1",
-       "MKL_NUM_THREADS": "1"}
+       "MKL_NUM_THREADS": "1", "FASTATTN_CPU_ISA": LEVEL,
+       "ATEN_CPU_CAPABILITY": {"scalar": "default"}.get(LEVEL, LEVEL)}
 
 
 def write_corpus(directory: Path) -> dict[str, Path]:
@@ -139,9 +143,9 @@ def run(directory: Path) -> dict:
 
 @pytest.mark.slow
 def recorded_numbers() -> dict:
-    assert RECORD.exists(), (f"no recorded run for this CPU vendor ({VENDOR}): record one with "
-                             "the code before the redesign (commit ee131e1), see this file's "
-                             "docstring")
+    assert RECORD.exists(), (f"no recorded run for this CPU vendor ({VENDOR}) at {LEVEL}: record "
+                             "one (see this file's docstring), or hold the run to a recorded "
+                             "level with FASTATTN_CPU_ISA")
     return json.loads(RECORD.read_text())
 
 
