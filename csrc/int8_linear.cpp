@@ -72,18 +72,19 @@ struct Int8Product {
   float *out;
 };
 
-// out[n, 16p : 16p + 16] = (acc - 128 · sums) · (sx[n] · sw) + bias, the last panel's first
-// columns only; with lse, the values join row n's running log-sum-exp.
+// out[n, 16p : 16p + 16] = (acc - offset · sums) · (sx[n] · sw) + bias, the last panel's first
+// columns only; with lse, the values join row n's running log-sum-exp. offset is 128 where acc
+// summed the stored bytes qx + 128, 0 where it summed qx.
 FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const int32_t *acc,
-                            RowLse *lse) {
+                            RowLse *lse, int32_t offset = 128) {
   const int64_t o = p * kPanel, columns = std::min(kPanel, a.O - o);
   float *out = a.out + n * a.O + o;
   const float xscale = a.xscale[n];
   if (columns == kPanel) {
-    v16i sum, offset;
+    v16i sum, sums;
     std::memcpy(&sum, acc, sizeof sum);
-    std::memcpy(&offset, a.sums + o, sizeof offset);
-    v16 y = __builtin_convertvector(sum - 128 * offset, v16) * (xscale * load16(a.scales + o));
+    std::memcpy(&sums, a.sums + o, sizeof sums);
+    v16 y = __builtin_convertvector(sum - offset * sums, v16) * (xscale * load16(a.scales + o));
     if (a.bias) y += load16(a.bias + o);
     std::memcpy(out, &y, sizeof y);
     if (lse) lse->add16(y);
@@ -91,7 +92,7 @@ FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const in
   }
   float y[kPanel];
   for (int64_t c = 0; c < columns; ++c) {
-    y[c] = static_cast<float>(acc[c] - 128 * a.sums[o + c]) * (xscale * a.scales[o + c]);
+    y[c] = static_cast<float>(acc[c] - offset * a.sums[o + c]) * (xscale * a.scales[o + c]);
     if (a.bias) y[c] += a.bias[o + c];
   }
   std::memcpy(out, y, columns * sizeof(float));
@@ -99,7 +100,7 @@ FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const in
 }
 
 // Panels [p0, p1) for all rows, one row and one panel at a time: the fallback of CPUs without
-// VNNI, the same integers by plain multiply-adds.
+// AVX2, the same integers by plain multiply-adds.
 FASTATTN_INLINE void panels_scalar_body(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
   for (int64_t p = p0; p < p1; ++p) {
     const int8_t *panel = a.panels + p * a.D4 * kVector;
@@ -117,6 +118,55 @@ FASTATTN_INLINE void panels_scalar_body(const Int8Product &a, int64_t p0, int64_
 FASTATTN_PER_ISA(panels_scalar, panels_scalar_body)
 
 #ifdef FASTATTN_X86
+#define FASTATTN_AVX2_INLINE FASTATTN_TARGET_AVX2 inline __attribute__((always_inline))
+
+// Rows [n, n + R) against panel p on AVX2, which has no u8 × s8 dot product into int32:
+// vpmaddubsw multiplies u8 by s8 and adds pairs into int16, saturating above 32767, which the
+// stored bytes qx + 128 (up to 255) would reach. So each row byte is taken back to qx (xor 0x80)
+// and given the weight's sign (vpsignb), and multiplied by |qw|: a pair is at most
+// 2 · 127 · 127 = 32258, exact; vpmaddwd by ones adds the pairs of pairs into int32. The same
+// integers as vpdpbusd's, less 128 · sums. R · 2 accumulators (outputs 0-7 and 8-15).
+template <int R>
+FASTATTN_AVX2_INLINE void block_avx2(const Int8Product &a, int64_t n, int64_t p, RowLse *lse) {
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const int8_t *panel = a.panels + p * a.D4 * kVector;
+  const uint8_t *x = a.x + n * a.xs;
+  for (int64_t k = 0; k < a.D4; ++k) {
+    const auto *w = reinterpret_cast<const __m256i *>(panel + k * kVector);
+    const __m256i w0 = _mm256_loadu_si256(w), w1 = _mm256_loadu_si256(w + 1);
+    const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, x + r * a.xs + k * kQuad, sizeof quad);
+      const __m256i xr = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
+      const __m256i p0 = _mm256_maddubs_epi16(abs0, _mm256_sign_epi8(xr, w0));
+      const __m256i p1 = _mm256_maddubs_epi16(abs1, _mm256_sign_epi8(xr, w1));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    int32_t sums[kPanel];
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(sums), acc[r][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i *>(sums + 8), acc[r][1]);
+    finish(a, n + r, p, sums, lse ? lse + n + r : nullptr, 0);
+  }
+}
+
+FASTATTN_TARGET_AVX2 void panels_avx2(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t n = 0;
+    for (; n + 4 <= a.N; n += 4) block_avx2<4>(a, n, p, lse);
+    switch (a.N - n) {
+      case 3: block_avx2<3>(a, n, p, lse); break;
+      case 2: block_avx2<2>(a, n, p, lse); break;
+      case 1: block_avx2<1>(a, n, p, lse); break;
+    }
+  }
+}
+
 #define FASTATTN_VNNI __attribute__((target("arch=x86-64-v4,avx512vnni")))
 #define FASTATTN_VNNI_INLINE FASTATTN_VNNI inline __attribute__((always_inline))
 
@@ -196,6 +246,7 @@ FASTATTN_VNNI void panels_vnni(const Int8Product &a, int64_t p0, int64_t p1, Row
 void run_panels(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
 #ifdef FASTATTN_X86
   if (use_avx512_vnni()) return panels_vnni(a, p0, p1, lse);
+  if (cpu_isa() >= CpuIsa::kAvx2) return panels_avx2(a, p0, p1, lse);
 #endif
   panels_scalar(a, p0, p1, lse);
 }
@@ -346,6 +397,9 @@ void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &pane
                      });
 }
 
-std::string int8_kernel_cpu() { return use_avx512_vnni() ? "avx512-vnni" : "scalar"; }
+std::string int8_kernel_cpu() {
+  if (use_avx512_vnni()) return "avx512-vnni";
+  return cpu_isa() >= CpuIsa::kAvx2 ? "avx2" : "scalar";
+}
 
 }  // namespace fastattn

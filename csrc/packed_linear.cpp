@@ -17,19 +17,24 @@ namespace {
 
 // out[r, :width] = x[r] · panels + bias for R rows of x (rows D apart) and P adjacent panels
 // (D, 16) each, width <= 16·P; with lse, each row's values are added to its running
-// log-sum-exp lse[r]. R·P accumulators: enough independent multiply-adds to hide their latency.
-template <int R, int P>
+// log-sum-exp lse[r]. R·P panels' accumulators in vectors V of the level's register width (v16
+// on AVX-512, v8 on AVX2, v4 on SSE), so that they stay in registers: enough independent
+// multiply-adds to hide their latency. Each output sums over d in order whatever V is.
+template <typename V, int R, int P>
 FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, const float *bias,
                                 float *out, int64_t out_stride, int64_t width, RowLse *lse) {
-  v16 acc[R][P];
+  constexpr int kWidth = sizeof(V) / sizeof(float), kSplit = kPanel / kWidth, kVectors = P * kSplit;
+  V acc[R][kVectors];
   for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) acc[r][p] = v16{};
+    for (int q = 0; q < kVectors; ++q) acc[r][q] = V{};
   for (int64_t d = 0; d < D; ++d) {
-    v16 w[P];
-    for (int p = 0; p < P; ++p) w[p] = load16(panel + (p * D + d) * kPanel);
+    V w[kVectors];
+    for (int q = 0; q < kVectors; ++q)
+      std::memcpy(&w[q], panel + ((q / kSplit) * D + d) * kPanel + (q % kSplit) * kWidth,
+                  sizeof(V));
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * D + d];
-      for (int p = 0; p < P; ++p) acc[r][p] += xv * w[p];
+      for (int q = 0; q < kVectors; ++q) acc[r][q] += xv * w[q];
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -37,13 +42,14 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
       const int64_t columns = std::min(kPanel, width - p * kPanel);
       const float *b = bias ? bias + p * kPanel : nullptr;
       float *o = out + r * out_stride + p * kPanel;
+      float sums[kPanel];
+      std::memcpy(sums, &acc[r][p * kSplit], sizeof(sums));
       if (columns == kPanel) {
-        if (b) acc[r][p] += load16(b);
-        std::memcpy(o, &acc[r][p], sizeof(v16));
-        if (lse) lse[r].add16(acc[r][p]);
+        v16 y = load16(sums);
+        if (b) y += load16(b);
+        std::memcpy(o, &y, sizeof(v16));
+        if (lse) lse[r].add16(y);
       } else {  // the last panel
-        float sums[kPanel];
-        std::memcpy(sums, &acc[r][p], sizeof(v16));
         for (int64_t c = 0; b && c < columns; ++c) sums[c] += b[c];
         std::memcpy(o, sums, columns * sizeof(float));
         if (lse) lse[r].add(sums, columns);
@@ -54,7 +60,7 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
 
 // Panels [p, p + P) for all N rows, R rows at a time: the panels stay in L1 while the rows pass
 // over them, and the weight is read once.
-template <int R, int P>
+template <typename V, int R, int P>
 FASTATTN_INLINE void panel_group(const float *x, int64_t N, int64_t D, const float *packed,
                                  const float *bias, int64_t O, int64_t p, float *out,
                                  RowLse *lse) {
@@ -64,46 +70,46 @@ FASTATTN_INLINE void panel_group(const float *x, int64_t N, int64_t D, const flo
   float *o = out + p * kPanel;
   const auto rows = [&](int64_t n) { return lse ? lse + n : nullptr; };
   int64_t n = 0;
-  for (; n + R <= N; n += R) panel_rows<R, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
+  for (; n + R <= N; n += R) panel_rows<V, R, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
   if constexpr (R > 6)
     for (; n + 6 <= N; n += 6)
-      panel_rows<6, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
+      panel_rows<V, 6, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
   switch (N - n) {
-    case 5: panel_rows<5, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    case 4: panel_rows<4, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    case 3: panel_rows<3, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    case 2: panel_rows<2, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    case 1: panel_rows<1, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 5: panel_rows<V, 5, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 4: panel_rows<V, 4, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 3: panel_rows<V, 3, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 2: panel_rows<V, 2, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 1: panel_rows<V, 1, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
   }
 }
 
 // Panels [p0, p1), P at a time, R rows at a time. lse: none, or N running log-sum-exps.
-template <int R, int P>
+template <typename V, int R, int P>
 FASTATTN_INLINE void panel_range(const float *x, int64_t N, int64_t D, const float *packed,
                                  const float *bias, int64_t O, int64_t p0, int64_t p1, float *out,
                                  RowLse *lse) {
   int64_t p = p0;
-  for (; p + P <= p1; p += P) panel_group<R, P>(x, N, D, packed, bias, O, p, out, lse);
-  for (; p < p1; ++p) panel_group<R, 1>(x, N, D, packed, bias, O, p, out, lse);
+  for (; p + P <= p1; p += P) panel_group<V, R, P>(x, N, D, packed, bias, O, p, out, lse);
+  for (; p < p1; ++p) panel_group<V, R, 1>(x, N, D, packed, bias, O, p, out, lse);
 }
 
-// AVX-512: 32 registers hold 6 rows × 2 panels of 16-float accumulators. AVX2 and SSE: one
-// panel (12 and 24 registers' worth; 16 exist).
+// AVX-512's 32 registers hold 12 rows × 2 panels of v16 accumulators, AVX2's 16 four rows × one
+// panel of v8 pairs, SSE's 16 two rows × one panel of four v4.
 #ifdef FASTATTN_X86
 FASTATTN_TARGET_AVX512 void panels_avx512(const float *x, int64_t N, int64_t D, const float *packed,
                                           const float *bias, int64_t O, int64_t p0, int64_t p1,
                                           float *out, RowLse *lse) {
-  panel_range<12, 2>(x, N, D, packed, bias, O, p0, p1, out, lse);
+  panel_range<v16, 12, 2>(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
 FASTATTN_TARGET_AVX2 void panels_avx2(const float *x, int64_t N, int64_t D, const float *packed,
                                       const float *bias, int64_t O, int64_t p0, int64_t p1,
                                       float *out, RowLse *lse) {
-  panel_range<6, 1>(x, N, D, packed, bias, O, p0, p1, out, lse);
+  panel_range<v8, 4, 1>(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
 #endif
-void panels_portable(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
-                     int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
-  panel_range<6, 1>(x, N, D, packed, bias, O, p0, p1, out, lse);
+void panels_scalar(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
+                   int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
+  panel_range<v4, 2, 1>(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
 
 void panels(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,
@@ -115,7 +121,7 @@ void panels(const float *x, int64_t N, int64_t D, const float *packed, const flo
     default: break;
   }
 #endif
-  panels_portable(x, N, D, packed, bias, O, p0, p1, out, lse);
+  panels_scalar(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
 
 void check_packed(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,

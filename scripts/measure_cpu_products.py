@@ -1,0 +1,98 @@
+"""The decoder's and trainer's linear maps on this CPU, per instruction-set level: fastattn._C's
+packed float32 and int8 products against what torch's wheel ships (MKL's sgemm through F.linear,
+fbgemm's dynamic int8 linear on prepacked weights), GFLOP/s on one thread.
+
+    python -m scripts.measure_cpu_products [--levels avx512 avx2] [--rows 1 4 16 64 256]
+
+Each level runs in a process of its own with everything held to it (FASTATTN_CPU_ISA,
+ATEN_CPU_CAPABILITY, MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA), as an AVX2 CPU would run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HELD = {  # what each level sets for every library
+    "avx512": {"FASTATTN_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"},
+    "avx2": {"FASTATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+# (in, out): d512 attention projections, feed-forward in and out, the output layer (vocab 8000);
+# the multi30k preset's d256 / 1024.
+SHAPES = [(512, 512), (512, 2048), (2048, 512), (512, 8000), (256, 256), (256, 1024)]
+
+
+def best_seconds(fn, budget: float = 0.3) -> float:
+    fn()
+    best, spent = float("inf"), 0.0
+    while spent < budget:
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+        best, spent = min(best, elapsed), spent + elapsed
+    return best
+
+
+def measure(rows_list: list[int]) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    import fastattn  # noqa: F401 - loads fastattn._C
+    ops = torch.ops.fastattn
+    torch.set_num_threads(1)
+    results = []
+    for d_in, d_out in SHAPES:
+        w = torch.randn(d_out, d_in) / d_in ** 0.5
+        b = torch.randn(d_out)
+        packed = ops.pack_linear_weight(w)
+        int8 = ops.quantize_linear_weight(w)
+        fbgemm = torch.ops.quantized.linear_prepack(
+            torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(d_out, dtype=torch.long),
+                                       0, torch.qint8), b)
+        for rows in rows_list:
+            x = torch.randn(rows, d_in)
+            flops = 2 * rows * d_in * d_out
+            cases = {
+                "fastattn fp32": lambda: ops.linear(x, w, packed, b),
+                "F.linear fp32": lambda: F.linear(x, w, b),
+                "fastattn int8": lambda: ops.linear_int8(x, *int8, b),
+                "fbgemm int8": lambda: torch.ops.quantized.linear_dynamic(x, fbgemm, True),
+            }
+            for name, fn in cases.items():
+                seconds = best_seconds(fn)
+                results.append({"shape": f"{d_in}x{d_out}", "rows": rows, "kernel": name,
+                                "gflops": flops / seconds / 1e9})
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--levels", nargs="+", default=["avx512", "avx2"], choices=list(HELD))
+    parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 256])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.rows)))
+        return
+    table: dict[tuple, dict] = {}
+    for level in args.levels:
+        env = {**os.environ, **HELD[level], "OMP_NUM_THREADS": "1"}
+        out = subprocess.run([sys.executable, "-m", "scripts.measure_cpu_products", "--child",
+                              "--rows", *map(str, args.rows)], env=env, capture_output=True,
+                             text=True, check=True)
+        for r in json.loads(out.stdout.strip().splitlines()[-1]):
+            table.setdefault((level, r["shape"], r["rows"]), {})[r["kernel"]] = r["gflops"]
+    kernels = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8"]
+    print(f"{'level':<7}{'shape':<10}{'rows':>5}  " + "".join(f"{k:>15}" for k in kernels))
+    for (level, shape, rows), row in table.items():
+        print(f"{level:<7}{shape:<10}{rows:>5}  " + "".join(f"{row[k]:>15.1f}" for k in kernels))
+
+
+if __name__ == "__main__":
+    main()
