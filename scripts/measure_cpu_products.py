@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import time
+from functools import partial
 
 HELD = {  # what each level sets for every library
     "avx512": {"FASTATTN_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
@@ -52,17 +53,18 @@ def measure(rows_list: list[int]) -> list[dict]:
         b = torch.randn(d_out)
         packed = ops.pack_linear_weight(w)
         int8 = ops.quantize_linear_weight(w)
-        fbgemm = torch.ops.quantized.linear_prepack(
-            torch.quantize_per_channel(w, w.abs().amax(1) / 127, torch.zeros(d_out, dtype=torch.long),
-                                       0, torch.qint8), b)
+        per_channel = torch.quantize_per_channel(w, w.abs().amax(1) / 127,
+                                                 torch.zeros(d_out, dtype=torch.long), 0,
+                                                 torch.qint8)
+        fbgemm = torch.ops.quantized.linear_prepack(per_channel, b)
         for rows in rows_list:
             x = torch.randn(rows, d_in)
             flops = 2 * rows * d_in * d_out
             cases = {
-                "fastattn fp32": lambda: ops.linear(x, w, packed, b),
-                "F.linear fp32": lambda: F.linear(x, w, b),
-                "fastattn int8": lambda: ops.linear_int8(x, *int8, b),
-                "fbgemm int8": lambda: torch.ops.quantized.linear_dynamic(x, fbgemm, True),
+                "fastattn fp32": partial(ops.linear, x, w, packed, b),
+                "F.linear fp32": partial(F.linear, x, w, b),
+                "fastattn int8": partial(ops.linear_int8, x, *int8, b),
+                "fbgemm int8": partial(torch.ops.quantized.linear_dynamic, x, fbgemm, True),
             }
             for name, fn in cases.items():
                 seconds = best_seconds(fn)
