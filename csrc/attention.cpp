@@ -39,59 +39,72 @@ FASTATTN_INLINE v16u load16u(const uint32_t *p) {
 
 
 // C[r, :16 NV] (+)= sum_k A(r, k) B[k, :16 NV] for r < R, with A(r, k) = a[r · ai + k · ak]:
-// each vector of B is loaded once for R rows of C, whose accumulators stay in registers.
-template <int R, int NV>
+// each vector of B is loaded once for R rows of C, whose accumulators stay in registers as
+// vectors V of the level's width (v16 AVX-512, v8 AVX2, v4 SSE: a wider V than the registers
+// would be kept on the stack). Each element of C sums over k in order whatever V is.
+template <typename V, int R, int NV>
 FASTATTN_INLINE void tile(const float *a, int64_t ai, int64_t ak, const float *b, int64_t ldb,
                           int64_t K, float *c, int64_t ldc, bool accumulate) {
-  v16 acc[R][NV];
+  constexpr int kWidth = sizeof(V) / sizeof(float), kVectors = NV * kLanes / kWidth;
+  V acc[R][kVectors];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = accumulate ? load16(c + r * ldc + kLanes * v) : v16{};
+    for (int v = 0; v < kVectors; ++v) {
+      acc[r][v] = V{};
+      if (accumulate) std::memcpy(&acc[r][v], c + r * ldc + kWidth * v, sizeof(V));
+    }
   for (int64_t k = 0; k < K; ++k) {
-    v16 bk[NV];
-    for (int v = 0; v < NV; ++v) bk[v] = load16(b + k * ldb + kLanes * v);
+    V bk[kVectors];
+    for (int v = 0; v < kVectors; ++v) std::memcpy(&bk[v], b + k * ldb + kWidth * v, sizeof(V));
     for (int r = 0; r < R; ++r) {
       const float x = a[r * ai + k * ak];
-      for (int v = 0; v < NV; ++v) acc[r][v] += x * bk[v];
+      for (int v = 0; v < kVectors; ++v) acc[r][v] += x * bk[v];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) store16(c + r * ldc + kLanes * v, acc[r][v]);
+    for (int v = 0; v < kVectors; ++v) std::memcpy(c + r * ldc + kWidth * v, &acc[r][v], sizeof(V));
 }
 
 // Rows of C R at a time, the remainder in halving tiles.
-template <int R, int NV>
+template <typename V, int R, int NV>
 FASTATTN_INLINE void tile_rows(int64_t M, int64_t K, const float *a, int64_t ai, int64_t ak,
                                const float *b, int64_t ldb, float *c, int64_t ldc,
                                bool accumulate) {
   int64_t i = 0;
   for (; i + R <= M; i += R)
-    tile<R, NV>(a + i * ai, ai, ak, b, ldb, K, c + i * ldc, ldc, accumulate);
+    tile<V, R, NV>(a + i * ai, ai, ak, b, ldb, K, c + i * ldc, ldc, accumulate);
   if constexpr (R > 1)
-    if (i < M) tile_rows<R / 2, NV>(M - i, K, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc,
-                                    accumulate);
+    if (i < M) tile_rows<V, R / 2, NV>(M - i, K, a + i * ai, ai, ak, b, ldb, c + i * ldc, ldc,
+                                       accumulate);
+}
+
+// matmul's tiles: 32 columns R2 rows at a time (none if R2 is 0), then 16 columns R1 rows.
+template <typename V, int R2, int R1>
+FASTATTN_INLINE void matmul_tiles(int64_t M, int64_t N, int64_t K, const float *a, int64_t ai,
+                                  int64_t ak, const float *b, int64_t ldb, float *c, int64_t ldc,
+                                  bool accumulate) {
+  int64_t j = 0;
+  if constexpr (R2 > 0)
+    for (; j + 2 * kLanes <= N; j += 2 * kLanes)
+      tile_rows<V, R2, 2>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
+  for (; j < N; j += kLanes)
+    tile_rows<V, R1, 1>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
 }
 
 // C (M, N) (+)= A B, with A(i, k) = a[i · ai + k · ak] (M, K) (ai = 1 reads a transposed), B (K,
-// N) and C (M, N) rows ldb and ldc apart, N a multiple of 16. Eight accumulators (sixteen AVX2
-// registers, half AVX-512's) keep both multiply-add units busy through their latency.
+// N) and C (M, N) rows ldb and ldc apart, N a multiple of 16. Eight accumulators' worth of v16
+// (16 of AVX-512's 32 registers, all of AVX2's 16 as v8 pairs... less B's) keep both
+// multiply-add units busy through their latency; SSE's 16 registers hold two rows of four v4.
 FASTATTN_INLINE void matmul(int64_t M, int64_t N, int64_t K, const float *a, int64_t ai,
                             int64_t ak, const float *b, int64_t ldb, float *c, int64_t ldc,
                             bool accumulate) {
-  // AVX-512 has 32 vector registers, AVX2 16 (and NEON's 32 hold a quarter of a v16 each): a
-  // tile of C keeps R · NV v16 accumulators in them.
-  const bool wide = cpu_isa() == CpuIsa::kAvx512;
-  int64_t j = 0;
-  for (; j + 2 * kLanes <= N; j += 2 * kLanes) {
-    if (wide)
-      tile_rows<4, 2>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
-    else
-      tile_rows<2, 2>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
+  switch (cpu_isa()) {
+    case CpuIsa::kAvx512:
+      return matmul_tiles<v16, 4, 8>(M, N, K, a, ai, ak, b, ldb, c, ldc, accumulate);
+    case CpuIsa::kAvx2:
+      return matmul_tiles<v8, 2, 4>(M, N, K, a, ai, ak, b, ldb, c, ldc, accumulate);
+    default:
+      return matmul_tiles<v4, 0, 2>(M, N, K, a, ai, ak, b, ldb, c, ldc, accumulate);
   }
-  if (j == N) return;
-  if (wide)
-    tile_rows<8, 1>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
-  else
-    tile_rows<4, 1>(M, K, a, ai, ak, b + j, ldb, c + j, ldc, accumulate);
 }
 
 // One (batch, head) pair. bias points at the pair's (0, 0) element with row stride si and column
