@@ -9,6 +9,10 @@ from fastattn.cli import ArgumentParser
 
 ROOT = Path(__file__).parent.parent
 
+COMMANDS = ["fastattn.train.command", "fastattn.translate_command", "fastattn.evaluate",
+            "fastattn.average", "fastattn.ensemble_command", "fastattn.ctranslate2_convert",
+            "fastattn.gpu_check", "fastattn.info", "fastattn.pretrained"]
+
 # (command module, its main's argv with one abbreviated flag, the abbreviation, what it cuts);
 # the other flags each command requires are given whole, so that the abbreviation is the error.
 ABBREVIATED = [
@@ -78,3 +82,20 @@ def test_every_command_parses_with_the_shared_parser():
         for path in sorted((ROOT / folder).rglob("*.py")):
             text = path.read_text()
             assert text.count("argparse.ArgumentParser(") == text.count("allow_abbrev=False"), path
+
+
+@pytest.mark.parametrize("module", COMMANDS)
+def test_every_flag_of_every_command_says_what_it_does_in_help(monkeypatch, module):
+    """translate --help gave --max-len-b and --device nothing but their defaults."""
+    parsers = []
+
+    def capture(self, *args, **kwargs):  # the command's parser, complete when it parses
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(ArgumentParser, "parse_known_args", capture)
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main([])
+    [parser] = parsers
+    silent = [action.option_strings[0] for action in parser._actions if not action.help]
+    assert not silent, f"{parser.prog}: no help for {', '.join(silent)}"
