@@ -4,8 +4,14 @@ Triton's interpreter) passes and writes its report; a failed row fails the check
 import json
 import subprocess
 import sys
+import types
+from functools import partial
+
+import pytest
+import torch
 
 from fastattn import gpu_check
+from fastattn.ops.attention import attention_reference
 
 
 def test_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
@@ -47,3 +53,69 @@ def test_without_a_gpu_it_says_so_in_one_line():
     assert result.returncode == 1
     assert result.stderr.strip() == ("error: torch sees no CUDA GPU; --dry-run checks the stages "
                                      "on the CPU")
+
+
+def attention_stand_in(bits, cut):
+    """ops.attention as a single-pass kernel would compute it without a mask: float32, and
+    with torch's tf32 allowed every product's operands read with `bits` mantissa bits, the rest
+    cut (as tensor cores read float32 bits) or rounded to nearest (as cuBLAS converts first)."""
+    shift = 23 - bits
+
+    def rounded(x):
+        bits = x.float().view(torch.int32)
+        return ((bits if cut else bits + (1 << shift - 1)) & -(1 << shift)).view(torch.float32)
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return rounded(a) @ rounded(b)
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = (rounded(t) for t in ctx.saved_tensors)
+            return rounded(grad) @ b.mT, a.mT @ rounded(grad)
+
+    def attention(q, k, v, causal=False, attn_mask=None):
+        assert not causal and attn_mask is None
+        if not torch.backends.cuda.matmul.allow_tf32:
+            return torch.softmax(q @ k.mT * q.shape[-1] ** -0.5, -1) @ v
+        return Product.apply(torch.softmax(Product.apply(q, k.mT) * q.shape[-1] ** -0.5, -1), v)
+
+    return types.SimpleNamespace(attention=attention)
+
+
+@pytest.mark.parametrize(("bits", "cut", "passes"), [(10, True, True), (10, False, True),
+                                                     (7, True, False)],
+                         ids=["tf32 cut", "tf32 rounded", "bf16 cut"])
+def test_tf32_rows_are_graded_against_tf32s_own_error(tmp_path, monkeypatch, bits, cut, passes):
+    """A correct single-pass tf32 attention errs 6e-4 to 2e-3, hundreds of times SDPA's float32
+    error: its row passes, graded against tf32_attention's error; products reading bf16 fail."""
+    monkeypatch.setattr(gpu_check, "ops", attention_stand_in(bits, cut))
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    rows = {row["dtype"]: row for row in gpu_check.attention_case(
+        check, "self", 64, 64, 64, False, None)}
+    row = rows["fp32+tf32"]
+    assert row["fastattn_error"] > 30 * row["torch_error"]
+    assert row["passed"] is passes, row
+    assert rows["fp32"]["passed"]
+
+
+@pytest.mark.parametrize("variant", gpu_check.attention_variants(
+    gpu_check.Check(torch.device("cpu"), True, None)), ids=lambda case: case[0])
+def test_tf32_attention_errs_as_tf32_does_with_every_mask(variant, monkeypatch):
+    """tf32_attention, the tf32 rows' bound, against the float64 reference with every variant's
+    mask and causality: off by tf32's rounding (not float32's, 2e-7, nor a wrong mask's, 0.6 and
+    more), and equal to it without the rounding."""
+    _, lq, lk, d, causal, kind = variant
+    torch.manual_seed(0)
+    mask = gpu_check.make_mask(kind, 2, lq, lk, torch.device("cpu"))
+    q, k, v = (torch.randn(2, 3, n, d, dtype=torch.float64) for n in (lq, lk, lk))
+    grad = torch.randn(2, 3, lq, d, dtype=torch.float64)
+    reference = gpu_check.fwd_bwd(partial(attention_reference, causal=causal, attn_mask=mask),
+                                  [q, k, v], grad)
+    emulated = partial(gpu_check.tf32_attention, causal=causal, attn_mask=mask)
+    error = gpu_check.worst_error(gpu_check.fwd_bwd(emulated, [q, k, v], grad), reference)
+    assert 5e-4 < error < 1e-2
+    monkeypatch.setattr(gpu_check, "tf32_rounded", lambda x: x)
+    assert gpu_check.worst_error(gpu_check.fwd_bwd(emulated, [q, k, v], grad), reference) < 1e-12
