@@ -267,7 +267,12 @@ def _translate(translator: Translator, lines: Iterator[str], args: argparse.Name
         tqdm.write(f"warning: {name}:{line}: the source has {pieces} pieces; translating its "
                    f"first {translator.max_source_len} (--max-source-len)", file=sys.stderr)
 
-    translator.on_truncated = truncated
+    def unreadable(line: int) -> None:
+        tqdm.write(f"warning: {name}:{line}: nothing in the line is in the model's vocabulary "
+                   "(emoji, control characters?); its translation is an empty line",
+                   file=sys.stderr)
+
+    translator.on_truncated, translator.on_unreadable = truncated, unreadable
     with bar:
         try:
             for line, hypotheses in enumerate(translator.stream(lines)):
