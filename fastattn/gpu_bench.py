@@ -60,6 +60,21 @@ def device_name(check: Check) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def error_line(error: BaseException) -> str:
+    """The line that says what went wrong: the innermost cause's type and first line. A Triton
+    CompilationError's own message is a source excerpt ending in a `^` line, and each function
+    it compiled through wraps the one below: the innermost says what failed, and where."""
+    while error.__cause__ is not None or (error.__context__ is not None
+                                          and not error.__suppress_context__):
+        error = error.__cause__ or error.__context__
+    src, node = getattr(error, "src", None), getattr(error, "node", None)
+    if getattr(error, "error_message", None) and src and hasattr(node, "lineno"):
+        line = src.split("\n")[node.lineno - 1].strip()
+        return f"{type(error).__name__}: {error.error_message} at `{line}`"
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -148,8 +163,8 @@ def attention_timing(call: Callable[[], torch.Tensor], flop: float,
         with torch.no_grad():
             fwd = seconds(call, dev)
         both = seconds(lambda: call().sum().backward(), dev)
-    except RuntimeError as e:  # an SDPA backend that does not take the shape
-        return dict(error=str(e).splitlines()[0][:120])
+    except Exception as e:  # an SDPA backend that does not take the shape, a kernel that fails
+        return dict(error=error_line(e)[:300])
     # The backward is 2.5 forwards of matmul work (five products against two).
     return dict(forward_ms=fwd * 1e3, forward_tflops=flop / fwd / 1e12, fwd_bwd_ms=both * 1e3,
                 fwd_bwd_tflops=3.5 * flop / both / 1e12)
@@ -278,8 +293,7 @@ def graphed_loop(check: Check, model: torch.nn.Module, batches: list[tuple[torch
                     budget=budget) / n
         return dict(graphed_in_loop_s=t, graph_error=None)
     except Exception as e:  # what stops capture is the finding
-        return dict(graphed_in_loop_s=None,
-                    graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return dict(graphed_in_loop_s=None, graph_error=error_line(e)[:300])
 
 
 def graphs_match(check: Check) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """python -m fastattn.gpu_check: its dry run (every stage at tiny shapes on the CPU, the kernels in
 Triton's interpreter) passes and writes its report; a failed row fails the check."""
 
+import ast
 import json
 import subprocess
 import sys
@@ -10,13 +11,15 @@ from functools import partial
 import pytest
 import torch
 
-from fastattn import gpu_check
+from fastattn import gpu_bench, gpu_check
 from fastattn.ops.attention import attention_reference
 
 
 def test_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
+    """However busy the machine: the dry run has no time budgets (the timeout only ends a hang;
+    the run takes 2 to 7 minutes on 2 cores, quiet to loaded)."""
     result = subprocess.run([sys.executable, "-m", "fastattn.gpu_check", "--dry-run", "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=900)
+                             str(tmp_path)], capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["dry_run"] is True
@@ -38,8 +41,8 @@ def test_a_failed_row_or_a_broken_stage_is_a_failure():
     report = {"stages": {
         "correctness": {"status": "ok", "rows": [{"op": "attention", "passed": True},
                                                  {"op": "layer_norm_residual", "passed": False}]},
-        "large": {"status": "error", "error": "Traceback ...\nRuntimeError: launch failed",
-                  "rows": []},
+        "large": {"status": "error", "error": "RuntimeError: launch failed",
+                  "traceback": "Traceback ...\nRuntimeError: launch failed", "rows": []},
         "determinism": {"status": "ok", "rows": [{"op": "attention", "bitwise_equal": False}]},
     }}
     bad = gpu_check.failures(report)
@@ -119,3 +122,51 @@ def test_tf32_attention_errs_as_tf32_does_with_every_mask(variant, monkeypatch):
     assert 5e-4 < error < 1e-2
     monkeypatch.setattr(gpu_check, "tf32_rounded", lambda x: x)
     assert gpu_check.worst_error(gpu_check.fwd_bwd(emulated, [q, k, v], grad), reference) < 1e-12
+
+
+def compilation_error():
+    """What Triton 3.6 raised for a kernel calling tl.to_tensor: a CompilationError at the call
+    in the kernel (its message a source excerpt ending in a `^` line) from one at the failing
+    line of the function it called."""
+    from triton.compiler.errors import CompilationError
+
+    def at(line, column):
+        node = ast.parse("x").body[0]
+        node.lineno, node.col_offset = line, column
+        return node
+
+    try:
+        try:
+            raise CompilationError("def scalar(x):\n    x = tl.to_tensor(x)\n", at(2, 8),
+                                   "AttributeError(\"module 'triton.language' has no attribute "
+                                   "'to_tensor'\")")
+        except CompilationError as e:
+            raise CompilationError("def _attn_fwd(Q):\n    seed = scalar(seed)\n",
+                                   at(2, 11)) from e
+    except CompilationError as e:
+        return e
+
+
+def test_a_speed_case_that_raises_any_exception_is_its_row_error():
+    def call():
+        raise compilation_error()
+
+    row = gpu_bench.attention_timing(call, 1.0, torch.device("cpu"))
+    assert row == {"error": "CompilationError: AttributeError(\"module 'triton.language' has no "
+                            "attribute 'to_tensor'\") at `x = tl.to_tensor(x)`"}
+
+
+def test_the_first_error_line_of_a_broken_stage_is_the_real_error(tmp_path, monkeypatch, capsys):
+    def broken(check):
+        raise compilation_error()
+
+    monkeypatch.setattr(gpu_check, "STAGES", [("broken", broken, 10.0)])
+    with pytest.raises(SystemExit) as exit:
+        gpu_check.main(["--dry-run", "--out", str(tmp_path)])
+    assert exit.value.code == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[-1].strip() == ("broken: CompilationError: AttributeError(\"module "
+                                   "'triton.language' has no attribute 'to_tensor'\") at "
+                                   "`x = tl.to_tensor(x)`")
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert "^" in report["stages"]["broken"]["traceback"]  # the whole story stays in the report
