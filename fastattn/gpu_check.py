@@ -1,12 +1,14 @@
 """python -m fastattn.gpu_check: fastattn's self-check and benchmark on one CUDA GPU, in at most
 about 9 minutes, with only what such a machine has (CUDA torch and Triton; nothing downloaded).
 
-Stages run in order, each within its own time budget, and the report (report.json and report.md
-under --out) is rewritten as each one ends, so a run cut short keeps what it measured:
+Stages run in order, each within its own time budget, case by case: a case that raises fails
+its own row, and the report (report.json and report.md under --out) is rewritten as each case
+ends, so a run cut short keeps what it measured:
 
   environment   versions, the GPU, fastattn.info's dispatch table
   correctness   every op x dtype (fp16, bf16, fp32, fp32 with tf32) x variant, forward and every
                 gradient, against fp64; graded relative to PyTorch's own error in the same dtype
+                (attention's tf32 rows: relative to tf32's, tf32_attention)
   determinism   two backward passes (and dropout from one seed) bit for bit
   large         B x H > 65,535 heads, and offsets past 2**31 elements
   attention     fastattn against SDPA's backends (flash, efficient, cuDNN) and flash_attn if
@@ -59,7 +61,9 @@ import fastattn  # noqa: E402
 from fastattn import ops  # noqa: E402
 from fastattn.cli import ArgumentParser  # noqa: E402
 from fastattn.gpu_bench import (  # noqa: E402
+    Cases,
     Check,
+    Rows,
     attention_speed,
     device_name,
     error_line,
@@ -179,7 +183,11 @@ def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: t
 # ---------------------------------------------------------------------------------------------
 
 
-def environment(check: Check) -> list[dict[str, Any]]:
+def environment(check: Check) -> Cases:
+    yield "versions, the GPU, the dispatch table", partial(environment_rows, check)
+
+
+def environment_rows(check: Check) -> Rows:
     import triton
 
     from fastattn.info import dispatch_table
@@ -245,7 +253,7 @@ def sdpa_mask(mask, causal, lq, lk, device):
 
 
 def attention_case(check: Check, name: str, lq: int, lk: int, d: int, causal: Any,
-                   kind: str | None) -> list[dict[str, Any]]:
+                   kind: str | None) -> Rows:
     dev = check.device
     b, h = (2, 3) if check.dry_run else (3, 4)
     mask64 = make_mask(kind, b, lq, lk, dev)
@@ -270,7 +278,7 @@ def attention_case(check: Check, name: str, lq: int, lk: int, d: int, causal: An
     return rows
 
 
-def layer_norm_case(check: Check, residual: bool) -> list[dict[str, Any]]:
+def layer_norm_case(check: Check, residual: bool) -> Rows:
     dev = check.device
     n, features = (33, 40) if check.dry_run else (4097, 1024)
     x, r = (torch.randn(n, features, device=dev, dtype=torch.float64) for _ in range(2))
@@ -296,7 +304,7 @@ def layer_norm_case(check: Check, residual: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def relu_bias_case(check: Check) -> list[dict[str, Any]]:
+def relu_bias_case(check: Check) -> Rows:
     """The feed-forward's ReLU backward with its bias gradient (one kernel) against
     threshold_backward and a sum in the same dtype."""
     dev = check.device
@@ -319,7 +327,7 @@ def relu_bias_case(check: Check) -> list[dict[str, Any]]:
     return rows
 
 
-def embedding_case(check: Check) -> list[dict[str, Any]]:
+def embedding_case(check: Check) -> Rows:
     """The fused embedding (gather, scale, positions) and its weight gradient against eager."""
     dev = check.device
     b, length, vocab, d = (3, 17, 97, 40) if check.dry_run else (125, 25, 37000, 512)
@@ -345,17 +353,18 @@ def embedding_case(check: Check) -> list[dict[str, Any]]:
     return rows
 
 
-def correctness(check: Check) -> list[dict[str, Any]]:
-    rows = []
+def correctness(check: Check) -> Cases:
     for case in attention_variants(check):
-        if not check.time_left():
-            return rows
-        rows += attention_case(check, *case)
-    rows += layer_norm_case(check, residual=True) + layer_norm_case(check, residual=False)
-    return rows + cross_entropy_cases(check) + relu_bias_case(check) + embedding_case(check)
+        yield f"attention, {case[0]}", partial(attention_case, check, *case)
+    for residual in (True, False):
+        yield (f"layer_norm_residual, {'with' if residual else 'no'} residual",
+               partial(layer_norm_case, check, residual))
+    yield "cross-entropy, linear cross-entropy", partial(cross_entropy_cases, check)
+    yield "relu_backward_bias", partial(relu_bias_case, check)
+    yield "embedding", partial(embedding_case, check)
 
 
-def cross_entropy_cases(check: Check) -> list[dict[str, Any]]:
+def cross_entropy_cases(check: Check) -> Rows:
     dev = check.device
     n, vocab, width = (33, 97, 32) if check.dry_run else (4097, 37000, 512)
     target = torch.randint(0, vocab, (n,), device=dev)
@@ -390,37 +399,41 @@ def cross_entropy_cases(check: Check) -> list[dict[str, Any]]:
     return rows
 
 
-def determinism(check: Check) -> list[dict[str, Any]]:
+def determinism(check: Check) -> Cases:
     dev = check.device
     b, h, length, d = (2, 2, 17, 16) if check.dry_run else (8, 8, 1023, 64)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(3))
-    grad = torch.randn_like(q)
-    mask = make_mask("key", b, length, length, dev)
-    rows = []
-    for name, kwargs in (("key padding", dict(attn_mask=mask)), ("causal", dict(causal=True)),
-                         ("key padding, dropout 0.1", dict(attn_mask=mask, dropout_p=0.1))):
+
+    def twice(op: str, variant: str, fn: Callable[..., torch.Tensor],
+              inputs: list[torch.Tensor], grad: torch.Tensor) -> Rows:
         runs = []
         for _ in range(2):
             torch.manual_seed(7)
-            runs.append(fwd_bwd(partial(ops.attention, **kwargs), [q, k, v], grad))
-        rows.append(dict(op="attention", variant=name, dtype=str(dtype),
-                         bitwise_equal=all(torch.equal(a, b) for a, b in zip(*runs, strict=True))))
+            runs.append(fwd_bwd(fn, inputs, grad))
+        return [dict(op=op, variant=variant, dtype=str(dtype),
+                     bitwise_equal=all(torch.equal(a, b) for a, b in zip(*runs, strict=True)))]
+
+    q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(3))
+    grad = torch.randn_like(q)
+    mask = make_mask("key", b, length, length, dev)
+    for name, kwargs in (("key padding", dict(attn_mask=mask)), ("causal", dict(causal=True)),
+                         ("key padding, dropout 0.1", dict(attn_mask=mask, dropout_p=0.1))):
+        yield (f"attention, {name}",
+               partial(twice, "attention", name, partial(ops.attention, **kwargs), [q, k, v], grad))
     x = torch.randn(b * length, 512, device=dev, dtype=dtype)
     w = torch.ones(512, device=dev, dtype=dtype)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(7)
-        runs.append(fwd_bwd(lambda x, r, w: ops.layer_norm_residual(x, r, w, None, dropout_p=0.1),
-                            [x, x.flip(0), w], x))
-    rows.append(dict(op="layer_norm_residual", variant="dropout 0.1", dtype=str(dtype),
-                     bitwise_equal=all(torch.equal(a, b) for a, b in zip(*runs, strict=True))))
-    return rows
+    yield "layer_norm_residual, dropout 0.1", partial(
+        twice, "layer_norm_residual", "dropout 0.1",
+        lambda x, r, w: ops.layer_norm_residual(x, r, w, None, dropout_p=0.1), [x, x.flip(0), w], x)
 
 
-def large(check: Check) -> list[dict[str, Any]]:
+def large(check: Check) -> Cases:
+    yield "B x H past the grid's 65,535", partial(many_heads, check)
+    yield "rows past 2**31 elements", partial(far_rows, check)
+
+
+def many_heads(check: Check) -> Rows:
     dev = check.device
-    rows = []
     dtype = torch.float16
     b, h = (5, 3) if check.dry_run else (4097, 16)  # 65,552 heads past CUDA's 65,535 grid cap
     q, k, v = (torch.randn(b, h, n, 64, device=dev, dtype=dtype) for n in (1, 3, 3))
@@ -431,9 +444,14 @@ def large(check: Check) -> list[dict[str, Any]]:
                       [q, k, v], grad)
     reference = fwd_bwd(lambda q, k, v: attention_reference(q, k, v, attn_mask=mask),
                         [x.double() for x in (q, k, v)], grad)
-    rows.append(graded("attention", ours, pytorch, reference, "fp16",
-                       variant=f"B x H = {b * h} heads", shape=f"B={b} H={h} Lq=1 Lk=3 D=64"))
-    # A query and a mask whose row 2 lies past element 2**31 of its buffer.
+    return [graded("attention", ours, pytorch, reference, "fp16",
+                   variant=f"B x H = {b * h} heads", shape=f"B={b} H={h} Lq=1 Lk=3 D=64")]
+
+
+def far_rows(check: Check) -> Rows:
+    """A query and a mask whose row 2 lies past element 2**31 of its buffer."""
+    dev = check.device
+    dtype = torch.float16
     lq, lk, d, row = 3, 17, 64, 2**30 + 64
 
     def far_apart(compact: torch.Tensor) -> torch.Tensor:
@@ -447,13 +465,15 @@ def large(check: Check) -> list[dict[str, Any]]:
     compact = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, attn_mask=mask), [q, k, v], grad)
     far = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, attn_mask=far_apart(mask)),
                   [far_apart(q), k, v], grad)
-    rows.append(dict(op="attention", variant="q and mask rows past 2**31 elements",
-                     dtype="fp16", bitwise_equal=all(torch.equal(a, b)
-                                                     for a, b in zip(compact, far, strict=True))))
-    return rows
+    return [dict(op="attention", variant="q and mask rows past 2**31 elements", dtype="fp16",
+                 bitwise_equal=all(torch.equal(a, b) for a, b in zip(compact, far, strict=True)))]
 
 
-def decoding(check: Check) -> list[dict[str, Any]]:
+def decoding(check: Check) -> Cases:
+    yield "beam search, GPU against CPU", partial(decoding_rows, check)
+
+
+def decoding_rows(check: Check) -> Rows:
     cfg = replace(fastattn.PRESETS["base"], vocab_size=101, encoder_layers=2, decoder_layers=2,
                   d_model=64, d_ff=128, heads=4, dropout=0.0)
     torch.manual_seed(3)
@@ -473,7 +493,11 @@ def decoding(check: Check) -> list[dict[str, Any]]:
                  passed=same == len(src))]
 
 
-def registers(check: Check) -> list[dict[str, Any]]:
+def registers(check: Check) -> Cases:
+    yield "compiled kernels", partial(registers_rows, check)
+
+
+def registers_rows(check: Check) -> Rows:
     """What the JIT built in the stages above (Triton keeps each compiled kernel in its
     JITFunction's cache), against the compile report's worst case for the same kernel."""
     from fastattn.kernels import attention, cross_entropy, layer_norm
@@ -496,7 +520,7 @@ def registers(check: Check) -> list[dict[str, Any]]:
     return rows
 
 
-STAGES: list[tuple[str, Callable[[Check], list[dict[str, Any]]], float]] = [
+STAGES: list[tuple[str, Callable[[Check], Cases], float]] = [
     # Seconds each, 540 in all; the first stages include Triton's compiles (cached on disk).
     ("environment", environment, 20), ("correctness", correctness, 180),
     ("determinism", determinism, 30), ("large", large, 30),
@@ -508,6 +532,34 @@ STAGES: list[tuple[str, Callable[[Check], list[dict[str, Any]]], float]] = [
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
+
+
+def run_stage(check: Check, name: str, stage: Callable[[Check], Cases]) -> None:
+    """Runs a stage's cases one by one into check.report["stages"][name], rewriting the report
+    as each ends: a case that raises is a failed row of its own (the next cases still run), past
+    the stage's deadline the rest are skipped, and an exception setting the cases up ends the
+    stage with the rows it has."""
+    start = time.monotonic()
+    entry: dict[str, Any] = dict(status="running", rows=[], seconds=0.0)
+    check.report["stages"][name] = entry
+    try:
+        for case, measure in stage(check):
+            if not check.time_left():
+                entry["status"] = "cut at its time budget"
+                break
+            try:
+                entry["rows"] += measure()
+            except Exception as e:
+                entry["rows"].append(dict(case=case, error=error_line(e), passed=False,
+                                          traceback=traceback.format_exc()))
+            entry["seconds"] = time.monotonic() - start
+            write_report(check)
+        else:
+            entry["status"] = "ok"
+    except Exception as e:
+        entry.update(status="error", error=error_line(e), traceback=traceback.format_exc())
+    entry["seconds"] = time.monotonic() - start
+    write_report(check)
 
 
 def write_report(check: Check) -> None:
@@ -531,7 +583,7 @@ def markdown(report: dict[str, Any]) -> str:
         rows = stage.get("rows", [])
         if not rows:
             continue
-        columns = list(dict.fromkeys(key for row in rows for key in row))
+        columns = list(dict.fromkeys(key for row in rows for key in row if key != "traceback"))
         lines.append("| " + " | ".join(columns) + " |")
         lines.append("|" + "---|" * len(columns))
         for row in rows:
@@ -554,7 +606,8 @@ def failures(report: dict[str, Any]) -> list[str]:
             bad.append(f"{name}: {stage['error']}")
         for row in stage.get("rows", []):
             if row.get("passed") is False or row.get("bitwise_equal") is False:
-                bad.append(f"{name}: {row}")
+                bad.append(f"{name}: {row['case']}: {row['error']}" if "error" in row and
+                           "case" in row else f"{name}: {row}")
     return bad
 
 
@@ -586,20 +639,11 @@ def main(argv: list[str] | None = None) -> None:
     for name, stage, budget in STAGES:
         if name not in chosen:
             continue
-        start = time.monotonic()
         # The dry run has no deadline: it checks that each stage runs, not how fast (on a busy
         # 2-core machine its training stage took 306 s against a 90 s budget).
-        check.deadline = math.inf if args.dry_run else start + budget * args.budget_scale
-        entry: dict[str, Any] = dict(status="ok", rows=[])
-        try:
-            entry["rows"] = stage(check)
-            if not check.time_left():
-                entry["status"] = "cut at its time budget"
-        except Exception as e:  # a stage that breaks is reported; the next ones still run
-            entry.update(status="error", error=error_line(e), traceback=traceback.format_exc())
-        entry["seconds"] = time.monotonic() - start
-        check.report["stages"][name] = entry
-        write_report(check)
+        check.deadline = math.inf if args.dry_run else time.monotonic() + budget * args.budget_scale
+        run_stage(check, name, stage)
+        entry = check.report["stages"][name]
         print(f"gpu_check: {name}: {entry['status']} in {entry['seconds']:.1f} s", flush=True)
     bad = failures(check.report)
     print(f"gpu_check: report in {check.out / 'report.md'}; "

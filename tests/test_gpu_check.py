@@ -170,3 +170,43 @@ def test_the_first_error_line_of_a_broken_stage_is_the_real_error(tmp_path, monk
                                    "`x = tl.to_tensor(x)`")
     report = json.loads((tmp_path / "report.json").read_text())
     assert "^" in report["stages"]["broken"]["traceback"]  # the whole story stays in the report
+
+
+def test_a_case_that_raises_fails_its_row_and_each_row_is_written_as_it_ends(tmp_path):
+    """run_stage: the cases before and after the one that raises keep their rows, which reach
+    report.json as each case ends; an exception setting up cases ends the stage, rows kept."""
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    check.report, check.deadline = {"stages": {}}, float("inf")
+
+    def rows_on_disk():
+        report = json.loads((tmp_path / "report.json").read_text())
+        return [dict(rows_written=len(report["stages"]["stage"]["rows"]))]
+
+    def stage(check):
+        yield "first", lambda: [dict(op="first", passed=True)]
+        yield "broken", lambda: [][1]
+        yield "on disk", rows_on_disk
+        raise ValueError("no more inputs")
+
+    gpu_check.run_stage(check, "stage", stage)
+    entry = json.loads((tmp_path / "report.json").read_text())["stages"]["stage"]
+    assert [row.get("op") or row.get("case") for row in entry["rows"][:2]] == ["first", "broken"]
+    assert entry["rows"][1]["error"] == "IndexError: list index out of range"
+    assert entry["rows"][2] == {"rows_written": 2}
+    assert entry["status"] == "error" and entry["error"] == "ValueError: no more inputs"
+    assert gpu_check.failures(json.loads((tmp_path / "report.json").read_text())) == [
+        "stage: ValueError: no more inputs", "stage: broken: IndexError: list index out of range"]
+
+
+def test_past_its_deadline_a_stage_skips_the_cases_left(tmp_path):
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    check.report, check.deadline = {"stages": {}}, float("inf")
+
+    def stage(check):
+        yield "one", lambda: [dict(case="one")]
+        check.deadline = 0.0  # the deadline passes during the first case
+        yield "two", lambda: [dict(case="two")]
+
+    gpu_check.run_stage(check, "stage", stage)
+    assert check.report["stages"]["stage"]["rows"] == [{"case": "one"}]
+    assert check.report["stages"]["stage"]["status"] == "cut at its time budget"
