@@ -1,9 +1,11 @@
 """python -m fastattn.gpu_check: fastattn's self-check and benchmark on one CUDA GPU, in at most
 about 9 minutes, with only what such a machine has (CUDA torch and Triton; nothing downloaded).
 
-Stages run in order, each within its own time budget, case by case: a case that raises fails
-its own row, and the report (report.json and report.md under --out) is rewritten as each case
-ends, so a run cut short keeps what it measured:
+Stages run in order, each in a process of its own (a crash or a sticky CUDA error ends that
+stage only; its stderr goes to <stage>.log under --out) and within its own time budget, which
+the process checks before each case and past which, and GRACE_SECONDS more, it is ended. They
+run case by case: a case that raises fails its own row, and the report (report.json and
+report.md under --out) is rewritten as each case ends, so a run cut short keeps what it measured:
 
   environment   versions, the GPU, fastattn.info's dispatch table
   correctness   every op x dtype (fp16, bf16, fp32, fp32 with tf32) x variant, forward and every
@@ -22,7 +24,8 @@ ends, so a run cut short keeps what it measured:
                 GPU-busy fraction, MFU, beside the paper's 0.4 s and 1.0 s (8 P100s); and the
                 loop's time replayed from CUDA graphs (--cuda-graphs)
   decoding      beam search on the GPU against the CPU: the same translations
-  registers     registers and spills of every kernel the JIT built, against the compile report
+  registers     registers and spills of every kernel the JIT built (each stage's process lists
+                its own in the report), against the compile report
 
 --dry-run runs every stage at tiny shapes on the CPU with the kernels in Triton's interpreter (CI
 runs it, so the check cannot rot), without time budgets; its figures mean nothing.
@@ -34,6 +37,7 @@ run (Check) that every stage takes.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -498,26 +502,28 @@ def registers(check: Check) -> Cases:
 
 
 def registers_rows(check: Check) -> Rows:
-    """What the JIT built in the stages above (Triton keeps each compiled kernel in its
-    JITFunction's cache), against the compile report's worst case for the same kernel."""
-    from fastattn.kernels import attention, cross_entropy, layer_norm
-
-    report = {}
+    """What the JIT built in the stages above (each stage's process lists its kernels in the
+    report: compiled_kernels), against the compile report's worst case for the same kernel."""
+    report: dict[str, int] = {}
     if COMPILE_REPORT.exists():
         for row in json.loads(COMPILE_REPORT.read_text()):
             name = row["name"].split()[0]
             report[name] = max(report.get(name, 0), row.get("registers") or 0)
-    rows = []
-    for module in (attention, cross_entropy, layer_norm):
-        for fn in vars(module).values():
-            for cache in getattr(fn, "device_caches", {}).values():
-                for compiled in cache[0].values():
-                    name = compiled.metadata.name
-                    rows.append(dict(kernel=name, registers=compiled.n_regs,
-                                     spills=compiled.n_spills,
-                                     num_warps=compiled.metadata.num_warps,
-                                     report_max_registers=report.get(fn.__name__)))
-    return rows
+    return [row | dict(report_max_registers=report.get(row["function"]))
+            for row in check.report.get("kernels", [])]
+
+
+def compiled_kernels() -> Rows:
+    """The kernels this process's JIT built (Triton keeps each in its JITFunction's cache)."""
+    from fastattn.kernels import attention, cross_entropy, layer_norm
+
+    return [dict(kernel=compiled.metadata.name, function=fn.__name__,
+                 registers=compiled.n_regs, spills=compiled.n_spills,
+                 num_warps=compiled.metadata.num_warps)
+            for module in (attention, cross_entropy, layer_norm)
+            for fn in vars(module).values()
+            for cache in getattr(fn, "device_caches", {}).values()
+            for compiled in cache[0].values()]
 
 
 STAGES: list[tuple[str, Callable[[Check], Cases], float]] = [
@@ -559,6 +565,60 @@ def run_stage(check: Check, name: str, stage: Callable[[Check], Cases]) -> None:
     except Exception as e:
         entry.update(status="error", error=error_line(e), traceback=traceback.format_exc())
     entry["seconds"] = time.monotonic() - start
+    write_report(check)
+
+
+# A stage's process may take this long past its budget (starting Python, torch and CUDA, the
+# case running at the deadline) before it is ended.
+GRACE_SECONDS = 30.0
+
+
+def stage_command(check: Check, name: str, deadline: float | None) -> list[str]:
+    """The command line of the process that runs stage `name` into check.out's report."""
+    return [sys.executable, "-m", "fastattn.gpu_check", "--out", str(check.out),
+            *(["--dry-run"] if check.dry_run else []), "--stage-process", name,
+            *([] if deadline is None else ["--deadline", repr(deadline)])]
+
+
+def run_in_process(check: Check, name: str, seconds: float | None) -> None:
+    """Runs stage `name` in a process of its own (a sticky CUDA error or a crash ends that stage
+    only), given `seconds` (None: no limit), past which and GRACE_SECONDS more it is ended. The
+    process rewrites the report as each case ends; what it wrote is kept, and a process that
+    died or was ended says so in its stage's status."""
+    write_report(check)
+    deadline = None if seconds is None else time.time() + seconds
+    log = check.out / f"{name}.log"
+    start = time.monotonic()
+    with open(log, "w") as err:
+        process = subprocess.Popen(stage_command(check, name, deadline), stderr=err)
+        try:
+            code: int | str = process.wait(None if seconds is None else seconds + GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            code = "killed"
+    check.report = json.loads((check.out / "report.json").read_text())
+    entry = check.report["stages"].setdefault(name, dict(rows=[]))
+    if code != 0:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        died = (f"ended {GRACE_SECONDS:.0f} s past its budget" if code == "killed"
+                else f"its process died (exit code {code})")
+        said = lines[-1].strip() if lines else "nothing"
+        entry.update(status="error", error=f"{died}; last said: {said}",
+                     traceback="\n".join(lines[-20:]))
+    entry["seconds"] = time.monotonic() - start
+    write_report(check)
+
+
+def stage_process(check: Check, name: str, deadline: float | None) -> None:
+    """What runs in a stage's process: the stage into the report so far, then the kernels its
+    JIT built."""
+    check.report = json.loads((check.out / "report.json").read_text())
+    check.deadline = math.inf if deadline is None else time.monotonic() + deadline - time.time()
+    torch.manual_seed(0)
+    run_stage(check, name, dict((n, stage) for n, stage, _ in STAGES)[name])
+    check.report["kernels"] = check.report.get("kernels", []) + [
+        dict(stage=name, **row) for row in compiled_kernels()]
     write_report(check)
 
 
@@ -622,6 +682,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="comma-separated stages to run, in the order above")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiplies every stage's time budget")
+    # What run_in_process starts: one stage, until a deadline (seconds since the epoch).
+    parser.add_argument("--stage-process", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     chosen = args.stages.split(",")
     unknown = set(chosen) - {name for name, _, _ in STAGES}
@@ -631,18 +694,19 @@ def main(argv: list[str] | None = None) -> None:
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: torch sees no CUDA GPU; --dry-run checks the stages on the CPU")
     check = Check(torch.device("cpu" if args.dry_run else "cuda"), args.dry_run, Path(args.out))
+    if args.stage_process:
+        stage_process(check, args.stage_process, args.deadline)
+        return
     check.report = dict(device=device_name(check), dry_run=args.dry_run,
                         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                         command=" ".join(["python -m fastattn.gpu_check", *(argv or sys.argv[1:])]),
                         stages={})
-    torch.manual_seed(0)
-    for name, stage, budget in STAGES:
+    for name, _, budget in STAGES:
         if name not in chosen:
             continue
         # The dry run has no deadline: it checks that each stage runs, not how fast (on a busy
         # 2-core machine its training stage took 306 s against a 90 s budget).
-        check.deadline = math.inf if args.dry_run else time.monotonic() + budget * args.budget_scale
-        run_stage(check, name, stage)
+        run_in_process(check, name, None if args.dry_run else budget * args.budget_scale)
         entry = check.report["stages"][name]
         print(f"gpu_check: {name}: {entry['status']} in {entry['seconds']:.1f} s", flush=True)
     bad = failures(check.report)

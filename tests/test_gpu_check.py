@@ -156,19 +156,18 @@ def test_a_speed_case_that_raises_any_exception_is_its_row_error():
                             "attribute 'to_tensor'\") at `x = tl.to_tensor(x)`"}
 
 
-def test_the_first_error_line_of_a_broken_stage_is_the_real_error(tmp_path, monkeypatch, capsys):
+def test_the_first_error_line_of_a_broken_stage_is_the_real_error(tmp_path):
     def broken(check):
         raise compilation_error()
+        yield
 
-    monkeypatch.setattr(gpu_check, "STAGES", [("broken", broken, 10.0)])
-    with pytest.raises(SystemExit) as exit:
-        gpu_check.main(["--dry-run", "--out", str(tmp_path)])
-    assert exit.value.code == 1
-    printed = capsys.readouterr().out.splitlines()
-    assert printed[-1].strip() == ("broken: CompilationError: AttributeError(\"module "
-                                   "'triton.language' has no attribute 'to_tensor'\") at "
-                                   "`x = tl.to_tensor(x)`")
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    check.report, check.deadline = {"stages": {}}, float("inf")
+    gpu_check.run_stage(check, "broken", broken)
     report = json.loads((tmp_path / "report.json").read_text())
+    assert gpu_check.failures(report) == [
+        "broken: CompilationError: AttributeError(\"module 'triton.language' has no attribute "
+        "'to_tensor'\") at `x = tl.to_tensor(x)`"]
     assert "^" in report["stages"]["broken"]["traceback"]  # the whole story stays in the report
 
 
@@ -210,3 +209,38 @@ def test_past_its_deadline_a_stage_skips_the_cases_left(tmp_path):
     gpu_check.run_stage(check, "stage", stage)
     assert check.report["stages"]["stage"]["rows"] == [{"case": "one"}]
     assert check.report["stages"]["stage"]["status"] == "cut at its time budget"
+
+
+STAGE_SCRIPT = """
+import json, os, sys, time
+out, name, end = sys.argv[1], sys.argv[2], sys.argv[3]
+report = json.load(open(os.path.join(out, "report.json")))
+report["stages"][name] = dict(status="running", rows=[dict(case="before it ended")])
+json.dump(report, open(os.path.join(out, "report.json"), "w"))
+if end == "crash":
+    print("RuntimeError: CUDA error: an illegal memory access was encountered", file=sys.stderr)
+    os._exit(3)
+if end == "hang":
+    time.sleep(600)
+"""
+
+
+def test_a_stage_process_that_dies_or_overruns_ends_its_stage_only(tmp_path, monkeypatch):
+    """run_in_process: the rows a stage's process wrote are kept; one that dies or runs past its
+    budget and the grace is ended with its stage's status saying so; the next stage runs."""
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    check.report = {"stages": {}}
+    ends = {"first": "crash", "second": "hang", "third": "ok"}
+    monkeypatch.setattr(gpu_check, "stage_command", lambda check, name, deadline: [
+        sys.executable, "-c", STAGE_SCRIPT, str(check.out), name, ends[name]])
+    monkeypatch.setattr(gpu_check, "GRACE_SECONDS", 1.0)
+    for name in ends:
+        gpu_check.run_in_process(check, name, 1.0)
+    stages = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert all(stage["rows"] == [{"case": "before it ended"}] for stage in stages.values())
+    assert stages["first"]["status"] == "error"
+    assert stages["first"]["error"] == ("its process died (exit code 3); last said: RuntimeError: "
+                                        "CUDA error: an illegal memory access was encountered")
+    assert stages["second"]["status"] == "error"
+    assert stages["second"]["error"].startswith("ended 1 s past its budget")
+    assert stages["third"]["status"] == "running"  # as the process left it, exit code 0
