@@ -42,7 +42,7 @@ DTYPES = {"fp16": (torch.float16, "tf32"), "bf16": (torch.bfloat16, "tf32"),
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--kernel", nargs="+", default=list(TILES), choices=list(TILES))
     parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--dtype", nargs="+", default=["fp16", "bf16"], choices=list(DTYPES))

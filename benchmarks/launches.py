@@ -542,7 +542,7 @@ def markdown_graphed(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.launches",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", nargs="+", default=["base", "big"], choices=sorted(PRESETS))
     # The paper's batch per GPU: about 25,000 + 25,000 tokens over 8 GPUs (section 5.1).
     parser.add_argument("--sentences", type=int, default=125)

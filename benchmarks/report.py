@@ -504,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     pytest_args = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--json", type=Path, help="render these results instead of running")
     parser.add_argument("--save", type=Path, default=RESULTS, help="where a run writes its JSON")
     parser.add_argument("--output", type=Path, default=OUTPUT, help="the Markdown to write")

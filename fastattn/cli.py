@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+from collections.abc import Sequence
 from typing import NoReturn, TextIO
 
 
@@ -27,7 +29,30 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 class ArgumentParser(argparse.ArgumentParser):
     """A bad flag value prints one short usage line and the error, not a usage that lists every
-    flag (--help does that)."""
+    flag (--help does that). Flags are never abbreviated: argparse's default took `--lr 0.0005`
+    for `--lr-scale 0.0005`, its only flag starting so, and trained with it without a word; a
+    prefix of a flag is an error that names the flags it begins."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args: Sequence[str] | None = None,
+                         namespace: argparse.Namespace | None = None
+                         ) -> tuple[argparse.Namespace, list[str]]:
+        args = sys.argv[1:] if args is None else list(args)
+        # Before parsing, so that an abbreviated required flag (--check for --checkpoint) is named
+        # and not reported missing. Arguments after "--" are never flags.
+        for arg in itertools.takewhile(lambda a: a != "--", args):
+            name = arg.split("=", 1)[0]
+            if len(name) > 2 and name.startswith("--") and name not in self._option_string_actions:
+                meant = [flag for flag in self._option_string_actions if flag.startswith(name)]
+                if meant:
+                    flags = meant[0] if len(meant) == 1 else \
+                        f"{', '.join(meant[:-1])} or {meant[-1]}"
+                    self.error(f"{name} is not a flag (flags are never abbreviated): did you "
+                               f"mean {flags}?")
+        return super().parse_known_args(args, namespace)
 
     def error(self, message: str) -> NoReturn:
         usage = self.format_usage()

@@ -108,8 +108,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(prog="python -m fastattn.ctranslate2_convert",
                             description=__doc__.split("\n\n")[0],
                             formatter_class=HelpFormatter)
-    parser.add_argument("--checkpoint", required=True)
-    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--checkpoint", required=True,
+                        help="a checkpoint of one fastattn Transformer (not an ensemble)")
+    parser.add_argument("--output-dir", required=True,
+                        help="where the CTranslate2 model is written")
     parser.add_argument("--force", action="store_true", help="overwrite a non-empty output dir")
     args = parser.parse_args(argv)
     try:

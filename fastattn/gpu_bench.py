@@ -16,7 +16,7 @@ from __future__ import annotations
 import platform
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -29,6 +29,11 @@ import fastattn
 from fastattn import ops
 from fastattn.train.graphs import GraphedUpdate
 from fastattn.train.step import LossModule, PendingStep, launch_step
+
+Rows = list[dict[str, Any]]
+Cases = Iterator[tuple[str, Callable[[], Rows]]]
+"""What a stage yields: its cases, each a name and what measures it into report rows. The cases
+run one by one (gpu_check.run_stage): one that raises fails its row alone."""
 
 PAPER_STEP_SECONDS = {"base": 0.4, "big": 1.0}  # 8 P100s, about 25k + 25k tokens per step
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense, datasheets
@@ -58,6 +63,21 @@ def device_name(check: Check) -> str:
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
+
+
+def error_line(error: BaseException) -> str:
+    """The line that says what went wrong: the innermost cause's type and first line. A Triton
+    CompilationError's own message is a source excerpt ending in a `^` line, and each function
+    it compiled through wraps the one below: the innermost says what failed, and where."""
+    while error.__cause__ is not None or (error.__context__ is not None
+                                          and not error.__suppress_context__):
+        error = error.__cause__ or error.__context__
+    src, node = getattr(error, "src", None), getattr(error, "node", None)
+    if getattr(error, "error_message", None) and src and hasattr(node, "lineno"):
+        line = src.split("\n")[node.lineno - 1].strip()
+        return f"{type(error).__name__}: {error.error_message} at `{line}`"
+    text = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def synchronize(device: torch.device) -> None:
@@ -101,7 +121,7 @@ def peak_bytes(fn: Callable[[], object], device: torch.device) -> int | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def attention_speed(check: Check) -> list[dict[str, Any]]:
+def attention_speed(check: Check) -> Cases:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     dev = check.device
@@ -123,23 +143,26 @@ def attention_speed(check: Check) -> list[dict[str, Any]]:
         pass
     tokens = 256 if check.dry_run else 16384
     lengths = (64,) if check.dry_run else (128, 512, 2048, 8192)
-    rows = []
+
+    def case(name: str, fn: Callable[..., torch.Tensor], b: int, heads: int, length: int,
+             d: int, causal: bool) -> Rows:
+        q, k, v = (torch.randn(b, heads, length, d, device=dev, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        flop = 4 * b * heads * length * length * d * (0.5 if causal else 1.0)
+        row = dict(system=name, shape=f"B={b} H={heads} L={length} D={d}", causal=causal)
+        row |= attention_timing(partial(fn, q, k, v, causal=causal), flop, dev)
+        if name == "fastattn" and "error" in row:  # an SDPA backend may refuse a shape
+            row["passed"] = False
+        return [row]
+
     for d in ((16,) if check.dry_run else (64, 128)):
         heads = 1024 // d if not check.dry_run else 2
         for length in lengths:
             for causal in (False, True):
                 b = max(1, tokens // length)
-                q, k, v = (torch.randn(b, heads, length, d, device=dev, dtype=dtype,
-                                       requires_grad=True) for _ in range(3))
-                flop = 4 * b * heads * length * length * d * (0.5 if causal else 1.0)
                 for name, fn in systems.items():
-                    if not check.time_left():
-                        return rows
-                    row = dict(system=name, shape=f"B={b} H={heads} L={length} D={d}",
-                               causal=causal)
-                    rows.append(row | attention_timing(partial(fn, q, k, v, causal=causal),
-                                                       flop, dev))
-    return rows
+                    yield (f"{name} L={length} D={d} causal={causal}",
+                           partial(case, name, fn, b, heads, length, d, causal))
 
 
 def attention_timing(call: Callable[[], torch.Tensor], flop: float,
@@ -148,14 +171,14 @@ def attention_timing(call: Callable[[], torch.Tensor], flop: float,
         with torch.no_grad():
             fwd = seconds(call, dev)
         both = seconds(lambda: call().sum().backward(), dev)
-    except RuntimeError as e:  # an SDPA backend that does not take the shape
-        return dict(error=str(e).splitlines()[0][:120])
+    except Exception as e:  # an SDPA backend that does not take the shape, a kernel that fails
+        return dict(error=error_line(e)[:300])
     # The backward is 2.5 forwards of matmul work (five products against two).
     return dict(forward_ms=fwd * 1e3, forward_tflops=flop / fwd / 1e12, fwd_bwd_ms=both * 1e3,
                 fwd_bwd_tflops=3.5 * flop / both / 1e12)
 
 
-def fused_speed(check: Check) -> list[dict[str, Any]]:
+def fused_speed(check: Check) -> Cases:
     dev = check.device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     size = dtype.itemsize
@@ -181,21 +204,22 @@ def fused_speed(check: Check) -> list[dict[str, Any]]:
             lambda: F.cross_entropy(hidden @ weight.T, target, label_smoothing=0.1).backward(),
             None),
     }
-    rows = []
+
+    def case(name: str, system: str, fn: Callable[[], None], moved: int | None) -> Rows:
+        t = seconds(fn, dev)
+        return [dict(op=name, system=system, dtype=str(dtype), ms=t * 1e3,
+                     gb_per_s=moved / t / 1e9 if moved else None,
+                     peak_mib=(peak_bytes(fn, dev) or 0) / 2**20)]
+
     for name, (ours, eager, moved) in cases.items():
         for system, fn in (("fastattn", ours), ("eager", eager)):
-            if not check.time_left():
-                return rows
-            t = seconds(fn, dev)
-            rows.append(dict(op=name, system=system, dtype=str(dtype), ms=t * 1e3,
-                             gb_per_s=moved / t / 1e9 if moved else None,
-                             peak_mib=(peak_bytes(fn, dev) or 0) / 2**20))
-    return rows
+            yield f"{name} {system}", partial(case, name, system, fn, moved)
 
 
-def training(check: Check) -> list[dict[str, Any]]:
-    presets = ("base",) if check.dry_run else ("base", "big")  # the same tiny model dry
-    return [graphs_match(check), *(training_step(check, preset) for preset in presets)]
+def training(check: Check) -> Cases:
+    yield "--cuda-graphs updates = launch_step's", lambda: [graphs_match(check)]
+    for preset in ("base",) if check.dry_run else ("base", "big"):  # the same tiny model dry
+        yield f"{preset} update", partial(lambda preset: [training_step(check, preset)], preset)
 
 
 def training_step(check: Check, preset: str) -> dict[str, Any]:
@@ -278,8 +302,7 @@ def graphed_loop(check: Check, model: torch.nn.Module, batches: list[tuple[torch
                     budget=budget) / n
         return dict(graphed_in_loop_s=t, graph_error=None)
     except Exception as e:  # what stops capture is the finding
-        return dict(graphed_in_loop_s=None,
-                    graph_error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        return dict(graphed_in_loop_s=None, graph_error=error_line(e)[:300])
 
 
 def graphs_match(check: Check) -> dict[str, Any]:

@@ -1,12 +1,16 @@
 """python -m fastattn.gpu_check: fastattn's self-check and benchmark on one CUDA GPU, in at most
 about 9 minutes, with only what such a machine has (CUDA torch and Triton; nothing downloaded).
 
-Stages run in order, each within its own time budget, and the report (report.json and report.md
-under --out) is rewritten as each one ends, so a run cut short keeps what it measured:
+Stages run in order, each in a process of its own (a crash or a sticky CUDA error ends that
+stage only; its stderr goes to <stage>.log under --out) and within its own time budget, which
+the process checks before each case and past which, and GRACE_SECONDS more, it is ended. They
+run case by case: a case that raises fails its own row, and the report (report.json and
+report.md under --out) is rewritten as each case ends, so a run cut short keeps what it measured:
 
   environment   versions, the GPU, fastattn.info's dispatch table
   correctness   every op x dtype (fp16, bf16, fp32, fp32 with tf32) x variant, forward and every
                 gradient, against fp64; graded relative to PyTorch's own error in the same dtype
+                (attention's tf32 rows: relative to tf32's, tf32_attention)
   determinism   two backward passes (and dropout from one seed) bit for bit
   large         B x H > 65,535 heads, and offsets past 2**31 elements
   attention     fastattn against SDPA's backends (flash, efficient, cuDNN) and flash_attn if
@@ -20,10 +24,11 @@ under --out) is rewritten as each one ends, so a run cut short keeps what it mea
                 GPU-busy fraction, MFU, beside the paper's 0.4 s and 1.0 s (8 P100s); and the
                 loop's time replayed from CUDA graphs (--cuda-graphs)
   decoding      beam search on the GPU against the CPU: the same translations
-  registers     registers and spills of every kernel the JIT built, against the compile report
+  registers     registers and spills of every kernel the JIT built (each stage's process lists
+                its own in the report), against the compile report
 
 --dry-run runs every stage at tiny shapes on the CPU with the kernels in Triton's interpreter (CI
-runs it, so the check cannot rot); its figures mean nothing.
+runs it, so the check cannot rot), without time budgets; its figures mean nothing.
 
 This module holds the schedule (STAGES), the correctness stages and what grades them, the report
 and the command line; fastattn.gpu_bench holds the speed stages, their timers and the state of a
@@ -32,7 +37,9 @@ run (Check) that every stage takes.
 
 from __future__ import annotations
 
+import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -58,9 +65,12 @@ import fastattn  # noqa: E402
 from fastattn import ops  # noqa: E402
 from fastattn.cli import ArgumentParser  # noqa: E402
 from fastattn.gpu_bench import (  # noqa: E402
+    Cases,
     Check,
+    Rows,
     attention_speed,
     device_name,
+    error_line,
     fused_speed,
     training,
 )
@@ -83,14 +93,21 @@ def relative_error(x: torch.Tensor, reference: torch.Tensor) -> float:
     return float(((x.double() - reference).abs().max() / scale).nan_to_num(float("inf")))
 
 
+def worst_error(xs: list[torch.Tensor], references: list[torch.Tensor]) -> float:
+    return max(relative_error(x, r) for x, r in zip(xs, references, strict=True))
+
+
 def graded(name: str, ours: list[torch.Tensor], torchs: list[torch.Tensor],
-           references: list[torch.Tensor], dtype_name: str, **row: Any) -> dict[str, Any]:
+           references: list[torch.Tensor], dtype_name: str, *, expected: float | None = None,
+           **row: Any) -> dict[str, Any]:
     """A correctness row: fastattn's worst relative error over outputs and gradients against
-    PyTorch's own in the same dtype; it passes within 2x PyTorch's error (floor 1e-5)."""
-    ours_err = max(relative_error(a, r) for a, r in zip(ours, references, strict=True))
-    torch_err = max(relative_error(a, r) for a, r in zip(torchs, references, strict=True))
+    PyTorch's own in the same dtype; it passes within 2x PyTorch's error (floor 1e-5), or within
+    2x `expected` where PyTorch computes in another precision: the error of a correct
+    computation in this one (tf32_attention)."""
+    ours_err, torch_err = worst_error(ours, references), worst_error(torchs, references)
+    bound = 2 * (torch_err if expected is None else expected) + 1e-5
     return dict(op=name, dtype=dtype_name, **row, fastattn_error=ours_err, torch_error=torch_err,
-                passed=ours_err <= 2 * torch_err + 1e-5)
+                bound=bound, passed=ours_err <= bound)
 
 
 DTYPES = {"fp16": (torch.float16, False), "bf16": (torch.bfloat16, False),
@@ -108,6 +125,53 @@ def tf32(allowed: bool) -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
+def tf32_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x as a tensor core reads a float32 operand in tf32: rounded to float32, its mantissa cut
+    to 10 bits (the low 13 ignored; rounding them, as cuBLAS does first, errs half as much), back
+    in x's dtype."""
+    return (x.float().view(torch.int32) & -(1 << 13)).view(torch.float32).to(x.dtype)
+
+
+class _Tf32Product(torch.autograd.Function):
+    """a @ b whose operands are read in tf32, and so are the backward's products."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return tf32_rounded(a) @ tf32_rounded(b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = (tf32_rounded(t) for t in ctx.saved_tensors)
+        grad = tf32_rounded(grad)
+        return grad @ b.transpose(-2, -1), a.transpose(-2, -1) @ grad
+
+
+def tf32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: Any,
+                   attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention in float64 but for the products, whose operands are read in tf32 as the
+    kernels' single-pass tf32 products read them (Triton hands the tensor cores float32 bits,
+    no cvt.rna: they are cut): Q K^T and P V, and in the backward dO V^T, P^T dO, dS K and
+    dS^T Q. Its error against the float64 reference is what a correct fp32 + tf32 kernel errs
+    (each operand off by up to 2^-10 of itself, against 2^-24 for its float32 sums; a kernel
+    computing so on the CPU errs within 1 % of it), so the kernels' tf32 rows are graded
+    against it. SDPA's float32 kernels do not read tf32 (or split it three ways): their error,
+    about 1e-6, is no bound for single-pass tf32's, about 2e-3 cut and 6e-4 rounded to nearest
+    at the dry run's shapes. A real bug (a wrong mask, scale or tile) errs by 1e-1 and more;
+    products reading bf16 (7 mantissa bits) 6-9x tf32's error. No fully masked rows
+    (make_mask)."""
+    lq, lk = q.shape[-2], k.shape[-2]
+    s = _Tf32Product.apply(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    if causal:
+        shift = lk - lq if causal == "bottom_right" else 0
+        allowed = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(shift)
+        s = s.masked_fill(~allowed, float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else s + attn_mask
+    return _Tf32Product.apply(torch.softmax(s, dim=-1), v)
+
+
 def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: torch.Tensor,
             **constants: torch.Tensor):
     """[fn's output, the gradients of inputs] for the upstream gradient grad; constants go to fn
@@ -123,7 +187,11 @@ def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: t
 # ---------------------------------------------------------------------------------------------
 
 
-def environment(check: Check) -> list[dict[str, Any]]:
+def environment(check: Check) -> Cases:
+    yield "versions, the GPU, the dispatch table", partial(environment_rows, check)
+
+
+def environment_rows(check: Check) -> Rows:
     import triton
 
     from fastattn.info import dispatch_table
@@ -189,7 +257,7 @@ def sdpa_mask(mask, causal, lq, lk, device):
 
 
 def attention_case(check: Check, name: str, lq: int, lk: int, d: int, causal: Any,
-                   kind: str | None) -> list[dict[str, Any]]:
+                   kind: str | None) -> Rows:
     dev = check.device
     b, h = (2, 3) if check.dry_run else (3, 4)
     mask64 = make_mask(kind, b, lq, lk, dev)
@@ -197,6 +265,8 @@ def attention_case(check: Check, name: str, lq: int, lk: int, d: int, causal: An
     grad = torch.randn(b, h, lq, d, device=dev, dtype=torch.float64)
     reference = fwd_bwd(lambda q, k, v: attention_reference(
         q, k, v, causal=causal, attn_mask=mask64), [q, k, v], grad)
+    tf32_error = worst_error(fwd_bwd(partial(tf32_attention, causal=causal, attn_mask=mask64),
+                                     [q, k, v], grad), reference)
     rows = []
     for dtype_name, (dtype, allow_tf32) in DTYPES.items():
         mask = mask64 if mask64 is None or mask64.dtype == torch.bool else mask64.to(dtype)
@@ -207,11 +277,12 @@ def attention_case(check: Check, name: str, lq: int, lk: int, d: int, causal: An
             pytorch = fwd_bwd(partial(F.scaled_dot_product_attention, attn_mask=torch_mask,
                                       is_causal=causal is True), cast, grad)
         rows.append(graded("attention", ours, pytorch, reference, dtype_name, variant=name,
-                           shape=f"B={b} H={h} Lq={lq} Lk={lk} D={d}"))
+                           shape=f"B={b} H={h} Lq={lq} Lk={lk} D={d}",
+                           expected=tf32_error if allow_tf32 else None))
     return rows
 
 
-def layer_norm_case(check: Check, residual: bool) -> list[dict[str, Any]]:
+def layer_norm_case(check: Check, residual: bool) -> Rows:
     dev = check.device
     n, features = (33, 40) if check.dry_run else (4097, 1024)
     x, r = (torch.randn(n, features, device=dev, dtype=torch.float64) for _ in range(2))
@@ -237,7 +308,7 @@ def layer_norm_case(check: Check, residual: bool) -> list[dict[str, Any]]:
     return rows
 
 
-def relu_bias_case(check: Check) -> list[dict[str, Any]]:
+def relu_bias_case(check: Check) -> Rows:
     """The feed-forward's ReLU backward with its bias gradient (one kernel) against
     threshold_backward and a sum in the same dtype."""
     dev = check.device
@@ -260,7 +331,7 @@ def relu_bias_case(check: Check) -> list[dict[str, Any]]:
     return rows
 
 
-def embedding_case(check: Check) -> list[dict[str, Any]]:
+def embedding_case(check: Check) -> Rows:
     """The fused embedding (gather, scale, positions) and its weight gradient against eager."""
     dev = check.device
     b, length, vocab, d = (3, 17, 97, 40) if check.dry_run else (125, 25, 37000, 512)
@@ -286,17 +357,18 @@ def embedding_case(check: Check) -> list[dict[str, Any]]:
     return rows
 
 
-def correctness(check: Check) -> list[dict[str, Any]]:
-    rows = []
+def correctness(check: Check) -> Cases:
     for case in attention_variants(check):
-        if not check.time_left():
-            return rows
-        rows += attention_case(check, *case)
-    rows += layer_norm_case(check, residual=True) + layer_norm_case(check, residual=False)
-    return rows + cross_entropy_cases(check) + relu_bias_case(check) + embedding_case(check)
+        yield f"attention, {case[0]}", partial(attention_case, check, *case)
+    for residual in (True, False):
+        yield (f"layer_norm_residual, {'with' if residual else 'no'} residual",
+               partial(layer_norm_case, check, residual))
+    yield "cross-entropy, linear cross-entropy", partial(cross_entropy_cases, check)
+    yield "relu_backward_bias", partial(relu_bias_case, check)
+    yield "embedding", partial(embedding_case, check)
 
 
-def cross_entropy_cases(check: Check) -> list[dict[str, Any]]:
+def cross_entropy_cases(check: Check) -> Rows:
     dev = check.device
     n, vocab, width = (33, 97, 32) if check.dry_run else (4097, 37000, 512)
     target = torch.randint(0, vocab, (n,), device=dev)
@@ -331,37 +403,41 @@ def cross_entropy_cases(check: Check) -> list[dict[str, Any]]:
     return rows
 
 
-def determinism(check: Check) -> list[dict[str, Any]]:
+def determinism(check: Check) -> Cases:
     dev = check.device
     b, h, length, d = (2, 2, 17, 16) if check.dry_run else (8, 8, 1023, 64)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(3))
-    grad = torch.randn_like(q)
-    mask = make_mask("key", b, length, length, dev)
-    rows = []
-    for name, kwargs in (("key padding", dict(attn_mask=mask)), ("causal", dict(causal=True)),
-                         ("key padding, dropout 0.1", dict(attn_mask=mask, dropout_p=0.1))):
+
+    def twice(op: str, variant: str, fn: Callable[..., torch.Tensor],
+              inputs: list[torch.Tensor], grad: torch.Tensor) -> Rows:
         runs = []
         for _ in range(2):
             torch.manual_seed(7)
-            runs.append(fwd_bwd(partial(ops.attention, **kwargs), [q, k, v], grad))
-        rows.append(dict(op="attention", variant=name, dtype=str(dtype),
-                         bitwise_equal=all(torch.equal(a, b) for a, b in zip(*runs, strict=True))))
+            runs.append(fwd_bwd(fn, inputs, grad))
+        return [dict(op=op, variant=variant, dtype=str(dtype),
+                     bitwise_equal=all(torch.equal(a, b) for a, b in zip(*runs, strict=True)))]
+
+    q, k, v = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(3))
+    grad = torch.randn_like(q)
+    mask = make_mask("key", b, length, length, dev)
+    for name, kwargs in (("key padding", dict(attn_mask=mask)), ("causal", dict(causal=True)),
+                         ("key padding, dropout 0.1", dict(attn_mask=mask, dropout_p=0.1))):
+        yield (f"attention, {name}",
+               partial(twice, "attention", name, partial(ops.attention, **kwargs), [q, k, v], grad))
     x = torch.randn(b * length, 512, device=dev, dtype=dtype)
     w = torch.ones(512, device=dev, dtype=dtype)
-    runs = []
-    for _ in range(2):
-        torch.manual_seed(7)
-        runs.append(fwd_bwd(lambda x, r, w: ops.layer_norm_residual(x, r, w, None, dropout_p=0.1),
-                            [x, x.flip(0), w], x))
-    rows.append(dict(op="layer_norm_residual", variant="dropout 0.1", dtype=str(dtype),
-                     bitwise_equal=all(torch.equal(a, b) for a, b in zip(*runs, strict=True))))
-    return rows
+    yield "layer_norm_residual, dropout 0.1", partial(
+        twice, "layer_norm_residual", "dropout 0.1",
+        lambda x, r, w: ops.layer_norm_residual(x, r, w, None, dropout_p=0.1), [x, x.flip(0), w], x)
 
 
-def large(check: Check) -> list[dict[str, Any]]:
+def large(check: Check) -> Cases:
+    yield "B x H past the grid's 65,535", partial(many_heads, check)
+    yield "rows past 2**31 elements", partial(far_rows, check)
+
+
+def many_heads(check: Check) -> Rows:
     dev = check.device
-    rows = []
     dtype = torch.float16
     b, h = (5, 3) if check.dry_run else (4097, 16)  # 65,552 heads past CUDA's 65,535 grid cap
     q, k, v = (torch.randn(b, h, n, 64, device=dev, dtype=dtype) for n in (1, 3, 3))
@@ -372,9 +448,14 @@ def large(check: Check) -> list[dict[str, Any]]:
                       [q, k, v], grad)
     reference = fwd_bwd(lambda q, k, v: attention_reference(q, k, v, attn_mask=mask),
                         [x.double() for x in (q, k, v)], grad)
-    rows.append(graded("attention", ours, pytorch, reference, "fp16",
-                       variant=f"B x H = {b * h} heads", shape=f"B={b} H={h} Lq=1 Lk=3 D=64"))
-    # A query and a mask whose row 2 lies past element 2**31 of its buffer.
+    return [graded("attention", ours, pytorch, reference, "fp16",
+                   variant=f"B x H = {b * h} heads", shape=f"B={b} H={h} Lq=1 Lk=3 D=64")]
+
+
+def far_rows(check: Check) -> Rows:
+    """A query and a mask whose row 2 lies past element 2**31 of its buffer."""
+    dev = check.device
+    dtype = torch.float16
     lq, lk, d, row = 3, 17, 64, 2**30 + 64
 
     def far_apart(compact: torch.Tensor) -> torch.Tensor:
@@ -388,13 +469,15 @@ def large(check: Check) -> list[dict[str, Any]]:
     compact = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, attn_mask=mask), [q, k, v], grad)
     far = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, attn_mask=far_apart(mask)),
                   [far_apart(q), k, v], grad)
-    rows.append(dict(op="attention", variant="q and mask rows past 2**31 elements",
-                     dtype="fp16", bitwise_equal=all(torch.equal(a, b)
-                                                     for a, b in zip(compact, far, strict=True))))
-    return rows
+    return [dict(op="attention", variant="q and mask rows past 2**31 elements", dtype="fp16",
+                 bitwise_equal=all(torch.equal(a, b) for a, b in zip(compact, far, strict=True)))]
 
 
-def decoding(check: Check) -> list[dict[str, Any]]:
+def decoding(check: Check) -> Cases:
+    yield "beam search, GPU against CPU", partial(decoding_rows, check)
+
+
+def decoding_rows(check: Check) -> Rows:
     cfg = replace(fastattn.PRESETS["base"], vocab_size=101, encoder_layers=2, decoder_layers=2,
                   d_model=64, d_ff=128, heads=4, dropout=0.0)
     torch.manual_seed(3)
@@ -414,30 +497,36 @@ def decoding(check: Check) -> list[dict[str, Any]]:
                  passed=same == len(src))]
 
 
-def registers(check: Check) -> list[dict[str, Any]]:
-    """What the JIT built in the stages above (Triton keeps each compiled kernel in its
-    JITFunction's cache), against the compile report's worst case for the same kernel."""
-    from fastattn.kernels import attention, cross_entropy, layer_norm
+def registers(check: Check) -> Cases:
+    yield "compiled kernels", partial(registers_rows, check)
 
-    report = {}
+
+def registers_rows(check: Check) -> Rows:
+    """What the JIT built in the stages above (each stage's process lists its kernels in the
+    report: compiled_kernels), against the compile report's worst case for the same kernel."""
+    report: dict[str, int] = {}
     if COMPILE_REPORT.exists():
         for row in json.loads(COMPILE_REPORT.read_text()):
             name = row["name"].split()[0]
             report[name] = max(report.get(name, 0), row.get("registers") or 0)
-    rows = []
-    for module in (attention, cross_entropy, layer_norm):
-        for fn in vars(module).values():
-            for cache in getattr(fn, "device_caches", {}).values():
-                for compiled in cache[0].values():
-                    name = compiled.metadata.name
-                    rows.append(dict(kernel=name, registers=compiled.n_regs,
-                                     spills=compiled.n_spills,
-                                     num_warps=compiled.metadata.num_warps,
-                                     report_max_registers=report.get(fn.__name__)))
-    return rows
+    return [row | dict(report_max_registers=report.get(row["function"]))
+            for row in check.report.get("kernels", [])]
 
 
-STAGES: list[tuple[str, Callable[[Check], list[dict[str, Any]]], float]] = [
+def compiled_kernels() -> Rows:
+    """The kernels this process's JIT built (Triton keeps each in its JITFunction's cache)."""
+    from fastattn.kernels import attention, cross_entropy, layer_norm
+
+    return [dict(kernel=compiled.metadata.name, function=fn.__name__,
+                 registers=compiled.n_regs, spills=compiled.n_spills,
+                 num_warps=compiled.metadata.num_warps)
+            for module in (attention, cross_entropy, layer_norm)
+            for fn in vars(module).values()
+            for cache in getattr(fn, "device_caches", {}).values()
+            for compiled in cache[0].values()]
+
+
+STAGES: list[tuple[str, Callable[[Check], Cases], float]] = [
     # Seconds each, 540 in all; the first stages include Triton's compiles (cached on disk).
     ("environment", environment, 20), ("correctness", correctness, 180),
     ("determinism", determinism, 30), ("large", large, 30),
@@ -449,6 +538,88 @@ STAGES: list[tuple[str, Callable[[Check], list[dict[str, Any]]], float]] = [
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
+
+
+def run_stage(check: Check, name: str, stage: Callable[[Check], Cases]) -> None:
+    """Runs a stage's cases one by one into check.report["stages"][name], rewriting the report
+    as each ends: a case that raises is a failed row of its own (the next cases still run), past
+    the stage's deadline the rest are skipped, and an exception setting the cases up ends the
+    stage with the rows it has."""
+    start = time.monotonic()
+    entry: dict[str, Any] = dict(status="running", rows=[], seconds=0.0)
+    check.report["stages"][name] = entry
+    try:
+        for case, measure in stage(check):
+            if not check.time_left():
+                entry["status"] = "cut at its time budget"
+                break
+            try:
+                entry["rows"] += measure()
+            except Exception as e:
+                entry["rows"].append(dict(case=case, error=error_line(e), passed=False,
+                                          traceback=traceback.format_exc()))
+            entry["seconds"] = time.monotonic() - start
+            write_report(check)
+        else:
+            entry["status"] = "ok"
+    except Exception as e:
+        entry.update(status="error", error=error_line(e), traceback=traceback.format_exc())
+    entry["seconds"] = time.monotonic() - start
+    write_report(check)
+
+
+# A stage's process may take this long past its budget (starting Python, torch and CUDA, the
+# case running at the deadline) before it is ended.
+GRACE_SECONDS = 30.0
+
+
+def stage_command(check: Check, name: str, deadline: float | None) -> list[str]:
+    """The command line of the process that runs stage `name` into check.out's report."""
+    return [sys.executable, "-m", "fastattn.gpu_check", "--out", str(check.out),
+            *(["--dry-run"] if check.dry_run else []), "--stage-process", name,
+            *([] if deadline is None else ["--deadline", repr(deadline)])]
+
+
+def run_in_process(check: Check, name: str, seconds: float | None) -> None:
+    """Runs stage `name` in a process of its own (a sticky CUDA error or a crash ends that stage
+    only), given `seconds` (None: no limit), past which and GRACE_SECONDS more it is ended. The
+    process rewrites the report as each case ends; what it wrote is kept, and a process that
+    died or was ended says so in its stage's status."""
+    write_report(check)
+    deadline = None if seconds is None else time.time() + seconds
+    log = check.out / f"{name}.log"
+    start = time.monotonic()
+    with open(log, "w") as err:
+        process = subprocess.Popen(stage_command(check, name, deadline), stderr=err)
+        try:
+            code: int | str = process.wait(None if seconds is None else seconds + GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+            code = "killed"
+    check.report = json.loads((check.out / "report.json").read_text())
+    entry = check.report["stages"].setdefault(name, dict(rows=[]))
+    if code != 0:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        died = (f"ended {GRACE_SECONDS:.0f} s past its budget" if code == "killed"
+                else f"its process died (exit code {code})")
+        said = lines[-1].strip() if lines else "nothing"
+        entry.update(status="error", error=f"{died}; last said: {said}",
+                     traceback="\n".join(lines[-20:]))
+    entry["seconds"] = time.monotonic() - start
+    write_report(check)
+
+
+def stage_process(check: Check, name: str, deadline: float | None) -> None:
+    """What runs in a stage's process: the stage into the report so far, then the kernels its
+    JIT built."""
+    check.report = json.loads((check.out / "report.json").read_text())
+    check.deadline = math.inf if deadline is None else time.monotonic() + deadline - time.time()
+    torch.manual_seed(0)
+    run_stage(check, name, dict((n, stage) for n, stage, _ in STAGES)[name])
+    check.report["kernels"] = check.report.get("kernels", []) + [
+        dict(stage=name, **row) for row in compiled_kernels()]
+    write_report(check)
 
 
 def write_report(check: Check) -> None:
@@ -468,11 +639,11 @@ def markdown(report: dict[str, Any]) -> str:
     for name, stage in report.get("stages", {}).items():
         lines += [f"## {name}: {stage['status']} in {stage['seconds']:.1f} s", ""]
         if stage.get("error"):
-            lines += ["```", stage["error"], "```", ""]
+            lines += [stage["error"], "", "```", stage["traceback"], "```", ""]
         rows = stage.get("rows", [])
         if not rows:
             continue
-        columns = list(dict.fromkeys(key for row in rows for key in row))
+        columns = list(dict.fromkeys(key for row in rows for key in row if key != "traceback"))
         lines.append("| " + " | ".join(columns) + " |")
         lines.append("|" + "---|" * len(columns))
         for row in rows:
@@ -492,10 +663,11 @@ def failures(report: dict[str, Any]) -> list[str]:
     bad = []
     for name, stage in report["stages"].items():
         if stage["status"] == "error":
-            bad.append(f"{name}: {stage['error'].splitlines()[-1]}")
+            bad.append(f"{name}: {stage['error']}")
         for row in stage.get("rows", []):
             if row.get("passed") is False or row.get("bitwise_equal") is False:
-                bad.append(f"{name}: {row}")
+                bad.append(f"{name}: {row['case']}: {row['error']}" if "error" in row and
+                           "case" in row else f"{name}: {row}")
     return bad
 
 
@@ -504,11 +676,15 @@ def main(argv: list[str] | None = None) -> None:
                             description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_check", help="directory of report.json/.md")
     parser.add_argument("--dry-run", action="store_true",
-                        help="every stage at tiny shapes on the CPU, kernels interpreted")
+                        help="every stage at tiny shapes on the CPU, kernels interpreted, "
+                             "without time budgets")
     parser.add_argument("--stages", default=",".join(name for name, _, _ in STAGES),
                         help="comma-separated stages to run, in the order above")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiplies every stage's time budget")
+    # What run_in_process starts: one stage, until a deadline (seconds since the epoch).
+    parser.add_argument("--stage-process", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     chosen = args.stages.split(",")
     unknown = set(chosen) - {name for name, _, _ in STAGES}
@@ -518,26 +694,20 @@ def main(argv: list[str] | None = None) -> None:
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: torch sees no CUDA GPU; --dry-run checks the stages on the CPU")
     check = Check(torch.device("cpu" if args.dry_run else "cuda"), args.dry_run, Path(args.out))
+    if args.stage_process:
+        stage_process(check, args.stage_process, args.deadline)
+        return
     check.report = dict(device=device_name(check), dry_run=args.dry_run,
                         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                         command=" ".join(["python -m fastattn.gpu_check", *(argv or sys.argv[1:])]),
                         stages={})
-    torch.manual_seed(0)
-    for name, stage, budget in STAGES:
+    for name, _, budget in STAGES:
         if name not in chosen:
             continue
-        start = time.monotonic()
-        check.deadline = start + budget * args.budget_scale
-        entry: dict[str, Any] = dict(status="ok", rows=[])
-        try:
-            entry["rows"] = stage(check)
-            if not check.time_left():
-                entry["status"] = "cut at its time budget"
-        except Exception:  # a stage that breaks is reported; the next ones still run
-            entry.update(status="error", error=traceback.format_exc(limit=4))
-        entry["seconds"] = time.monotonic() - start
-        check.report["stages"][name] = entry
-        write_report(check)
+        # The dry run has no deadline: it checks that each stage runs, not how fast (on a busy
+        # 2-core machine its training stage took 306 s against a 90 s budget).
+        run_in_process(check, name, None if args.dry_run else budget * args.budget_scale)
+        entry = check.report["stages"][name]
         print(f"gpu_check: {name}: {entry['status']} in {entry['seconds']:.1f} s", flush=True)
     bad = failures(check.report)
     print(f"gpu_check: report in {check.out / 'report.md'}; "

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastattn import decoding, ops
+from fastattn import decoding, ops, search
 from fastattn.autocast import batched_weight_casts
 from fastattn.decoding import DecodingState
 from fastattn.modules import ResidualLayerNorm
@@ -756,6 +756,7 @@ class Transformer(nn.Module):
         same tokens and scores (fastattn.decoding.native_decoder_supports decides). precision:
         as in start_decoding."""
         decoding.check_precision(precision)
+        search.check_special_ids(bos_id, eos_id, self.cfg.vocab_size, self.cfg.output_size)
         setup = BeamSearchSetup.create(src.shape[0], beam_size, nbest, max_len, alpha,
                                        length_penalty, src.device)
         if src.shape[0] == 0:

@@ -58,6 +58,18 @@ def length_penalty_table(max_len: int, alpha: float, kind: LengthPenalty) -> lis
     raise ValueError(f"length_penalty must be 'gnmt' or 'pow', got {kind!r}")
 
 
+def check_special_ids(bos_id: int, eos_id: int, vocab_size: int, output_size: int) -> None:
+    """ValueError naming bos_id or eos_id where a model has no such token: BOS goes into the
+    decoder (an id below vocab_size), EOS comes out of it (below output_size, the output
+    vocabulary's size)."""
+    if not 0 <= bos_id < vocab_size:
+        raise ValueError(f"bos_id {bos_id} is outside the vocabulary of {vocab_size} "
+                         f"(ids 0 to {vocab_size - 1})")
+    if not 0 <= eos_id < output_size:
+        raise ValueError(f"eos_id {eos_id} is outside the output vocabulary of {output_size} "
+                         f"(ids 0 to {output_size - 1})")
+
+
 def beam_search(
     step_fn: StepFn,
     batch_size: int,

@@ -22,7 +22,9 @@ Hostile input: a source longer than --max-source-len pieces (default 1,024, its 
 no more than a model with learned positions has) keeps its first pieces, with a warning on
 stderr naming the line, so that one huge line costs seconds, not hours (decoding is quadratic in
 the source length), and the lines before it are not held back. An empty line (or one of only
-white space) gives an empty line. Invalid UTF-8 stops with one `error:` line naming the line,
+white space) gives an empty line; so does a line with nothing the vocabulary knows (only
+emoji, a NUL byte, control characters, ...: no piece but <unk> and word boundaries), with a
+warning on stderr naming the line. Invalid UTF-8 stops with one `error:` line naming the line,
 after the translations of every line before it are written.
 On a terminal, stderr shows a progress bar (lines translated); pipes and logs get none.
 Output: one translation per line; with --scores "score<TAB>translation"; with --nbest N > 1,
@@ -71,6 +73,10 @@ class SourceTruncatedWarning(UserWarning):
     """A source longer than Translator.max_source_len was cut to its first pieces."""
 
 
+class UnreadableSourceWarning(UserWarning):
+    """A source line with nothing the vocabulary knows was translated to the empty line."""
+
+
 class InputError(ValueError):
     """Input that cannot be translated (invalid UTF-8); the message names the file and line."""
 
@@ -102,7 +108,11 @@ class Translator:
     model with learned positions) keeps its first max_source_len - 1 pieces and its EOS, and
     `on_truncated(line, pieces)` is called with its line number (from 1) and its length (default:
     a SourceTruncatedWarning). A line that encodes to no pieces (empty, or only white space)
-    translates to the empty translation, scored 0, without decoding.
+    translates to the empty translation, scored 0, without decoding. So does an unreadable line,
+    one with characters besides white space but no piece besides <unk> and the bare word
+    boundary "▁" (only emoji, a NUL byte, control characters, which the normalisation may drop,
+    ...), from whose unknown tokens the model would invent a sentence; `on_unreadable(line)` is
+    called with its line number (default: an UnreadableSourceWarning).
 
     precision: the decoder's, one of fastattn.decoding.PRECISIONS (Transformer.start_decoding;
     "int8" quantizes the weights once per model and needs the native CPU decoder). On CPU,
@@ -133,6 +143,7 @@ class Translator:
         truecaser: Truecaser | None = None,
         max_source_len: int = MAX_SOURCE_LEN,
         on_truncated: Callable[[int, int], None] | None = None,
+        on_unreadable: Callable[[int], None] | None = None,
         precision: str = "fp32",
         workers: int | None = None,
         threads: int | None = None,
@@ -162,6 +173,10 @@ class Translator:
         self.position_limit = min(learned) if learned else None
         self.max_source_len = min(max_source_len, self.position_limit or max_source_len)
         self.on_truncated = on_truncated or self._warn_truncated
+        self.on_unreadable = on_unreadable or self._warn_unreadable
+        # Pieces that carry no text of the line: <unk>, and the word boundary SentencePiece puts
+        # before a word (piece_to_id gives unk_id for a piece the vocabulary lacks).
+        self._textless = {sp.unk_id(), sp.piece_to_id("\u2581")}
         self.precision, self.workers, self.threads = precision, workers, threads
         self.cores = torch.get_num_threads()
         self._pools: dict[tuple[int, int], Workers] = {}
@@ -236,12 +251,13 @@ class Translator:
         return sources
 
     def _warn_truncated(self, line: int, pieces: int) -> None:
-        level, frame = 1, sys._getframe()
-        while frame is not None and frame.f_code.co_filename == __file__:  # to the caller's line
-            level, frame = level + 1, frame.f_back
-        warnings.warn(SourceTruncatedWarning(
-            f"line {line}: the source has {pieces} pieces; translating its first "
-            f"{self.max_source_len} (max_source_len)"), stacklevel=level)
+        _warn(SourceTruncatedWarning(f"line {line}: the source has {pieces} pieces; translating "
+                                     f"its first {self.max_source_len} (max_source_len)"))
+
+    def _warn_unreadable(self, line: int) -> None:
+        _warn(UnreadableSourceWarning(f"line {line}: nothing in it is in the model's vocabulary "
+                                      "(emoji, control characters?); translated as an empty "
+                                      "line"))
 
     def _translate_window(self, sentences: list[str],
                           first: int = 1) -> Iterator[list[Translation]]:
@@ -252,10 +268,12 @@ class Translator:
         results: list[list[Translation] | None] = [None] * len(sources)
         decode = []
         for i, ids in enumerate(sources):
-            if len(ids) == 1:  # no pieces: nothing to translate
-                results[i] = [Translation("", 0.0, [])]
-            else:
+            if not self._textless.issuperset(ids[:-1]):
                 decode.append(i)
+                continue
+            if sentences[i].strip():  # not an empty line: characters the vocabulary lacks
+                self.on_unreadable(first + i)
+            results[i] = [Translation("", 0.0, [])]  # nothing to translate
         batches = list(self._batches(decode, sources))
         # Shortest first: the batches of long sources are the last. They decode after the
         # others (so that they take no worker from them) and get workers of their own choosing.
@@ -438,6 +456,14 @@ class Translator:
         figure.tight_layout()
         figure.savefig(path, dpi=120)
         plt.close(figure)
+
+
+def _warn(warning: Warning) -> None:
+    """warnings.warn, pointed at the line that called into this module."""
+    level, frame = 1, sys._getframe()
+    while frame is not None and frame.f_code.co_filename == __file__:
+        level, frame = level + 1, frame.f_back
+    warnings.warn(warning, stacklevel=level)
 
 
 if __name__ == "__main__":

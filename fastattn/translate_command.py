@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="gnmt: ((5 + |Y|) / 6)^α as in the paper; pow: |Y|^α")
     parser.add_argument("--max-len-a", type=float, default=1.0,
                         help="at most max_len_a · source length + max_len_b target tokens")
-    parser.add_argument("--max-len-b", type=int, default=50)
+    parser.add_argument("--max-len-b", type=int, default=50,
+                        help="the constant term of that limit (the paper: input length + 50); "
+                        "the source length counts its EOS, the limit the translation's")
     parser.add_argument("--max-source-len", type=int, default=MAX_SOURCE_LEN,
                         help="a longer source (in pieces, its EOS included) is truncated to its "
                         "first pieces, with a warning naming the line")
@@ -67,7 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "\"Workers and threads\")")
     parser.add_argument("--threads", type=int,
                         help="intra-op threads per worker (default: the cores over --workers)")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu",
+                        help="where the model decodes: cpu, cuda or cuda:N (--precision int8 "
+                        "and bf16 decode on cpu only)")
     parser.add_argument("--input", default="-", help="input file (- for stdin)")
     parser.add_argument("--output", default="-", help="output file (- for stdout)")
     parser.add_argument("--plot-attention", metavar="PNG",
@@ -263,7 +267,12 @@ def _translate(translator: Translator, lines: Iterator[str], args: argparse.Name
         tqdm.write(f"warning: {name}:{line}: the source has {pieces} pieces; translating its "
                    f"first {translator.max_source_len} (--max-source-len)", file=sys.stderr)
 
-    translator.on_truncated = truncated
+    def unreadable(line: int) -> None:
+        tqdm.write(f"warning: {name}:{line}: nothing in the line is in the model's vocabulary "
+                   "(emoji, control characters?); its translation is an empty line",
+                   file=sys.stderr)
+
+    translator.on_truncated, translator.on_unreadable = truncated, unreadable
     with bar:
         try:
             for line, hypotheses in enumerate(translator.stream(lines)):

@@ -390,7 +390,7 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
     tl.store(dq_ptrs, (dq * sm_scale).to(dQ.dtype.element_ty), mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["philox_seed", "philox_offset"])
 def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offset,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Materialises the keep-mask the attention kernels draw, for tests (B*H, Lq, Lk)."""

@@ -40,8 +40,9 @@ MAX_FEATURES = 16384  # one row lives in registers; wider rows would spill
 @triton.jit
 def scalar(x):
     """x, or the value x points to: seeds come by value, or through a pointer from a table a CUDA
-    graph refills (fastattn.ops.seeds). Shared by every kernel that takes a dropout seed."""
-    x = tl.to_tensor(x)  # a value of 1 arrives as a constexpr where Triton specialises on it
+    graph refills (fastattn.ops.seeds). Shared by every kernel that takes a dropout seed, each of
+    which marks its seeds do_not_specialize: Triton would make a value of 1 a constexpr, which has
+    no dtype (Triton 3.9's tl.to_tensor could wrap it, but 3.6 does not export it)."""
     if x.dtype.is_ptr():
         x = tl.load(x)
     return x

@@ -8,7 +8,10 @@ is an acquire-release atomic at GPU scope: the last program's increment observes
 program's release, so their partials are visible to its loads (read through L2, ".cg"). This is
 the ordering CUDA's cooperative-groups grid barrier uses (a block barrier, then one thread's
 fenced atomic). One counter per device and stream: launches on one stream run one after the
-other, so each finds it at zero.
+other, so each finds it at zero. A counter is made (zeroed) outside any CUDA graph capture: made
+inside one, its zero-fill would be recorded, not run, and another graph captured on that stream
+and replayed first would read whatever the pool held. fastattn.train.graphs warms each graph up
+on the stream it captures on, so every counter a capture uses exists before it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ def arrival_counter(device: torch.device) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _counters:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "fastattn: a reduction's arrival counter would be made while a CUDA graph is "
+                "being captured (its zero-fill would not run); run the work once on the capture "
+                "stream before capturing it, as fastattn.train.graphs does")
         _counters[key] = torch.zeros((), dtype=torch.int32, device=device)
     return _counters[key]
 

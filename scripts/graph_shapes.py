@@ -16,7 +16,7 @@ from fastattn import data
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[16000, 6250])
     parser.add_argument("--grids", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--row-grid", type=int, default=1)

@@ -34,7 +34,7 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--preset", default="multi30k", choices=sorted(bench_train.CONFIGS))
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()

@@ -56,7 +56,7 @@ def others_busy() -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--sentences", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--precision", default="fp32")

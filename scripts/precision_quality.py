@@ -33,7 +33,7 @@ def cpu_model() -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="a shipped model's name (fastattn.pretrained.names())")
     source.add_argument("--checkpoint", help="a checkpoint of fastattn.train")

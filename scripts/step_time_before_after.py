@@ -58,7 +58,7 @@ print(statistics.median(times))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("before", type=Path, help="the other checkout (a git worktree)")
     parser.add_argument("--preset", default="multi30k")
     parser.add_argument("--precision", default="mixed", choices=["fp32", "mixed"])

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +26,8 @@ from fastattn.kernels.compile_report import (
 
 ARCHS = (80, 90)
 FULL = os.environ.get("FASTATTN_COMPILE_REPORT") == "full"
+# Triton 3.6.0, the GPU machine's image's, beside the venv's own (./run test installs it there).
+TRITON_36 = Path(sys.prefix) / "triton-3.6.0"
 
 
 def checked_configs(module) -> list[dict]:
@@ -225,6 +228,43 @@ def test_dropout_kernels_compile_with_seeds_through_pointers_for_sm90(tmp_path):
                        and {"fp16", "tf32"} & set(r["name"].split())]
     assert [r["name"] for r in matmuls if not r["wgmma"] or r["mma"] or r["registers"] >= 255] \
         == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed_pointers", [False, True], ids=["seeds by value", "by pointer"])
+def test_the_subset_compiles_for_sm90_under_triton_3_6(tmp_path, seed_pointers):
+    """The oldest Triton fastattn supports (backend.TRITON_RANGE), first on PYTHONPATH: every
+    kernel of the subset compiles for sm_90, the dropout ones with their seeds by value and by
+    pointer, without spilling, attention's products on wgmma (3.6 rejected every dropout kernel
+    when scalar() called tl.to_tensor, which only later Tritons export)."""
+    assert (TRITON_36 / "triton").is_dir(), (
+        f"Triton 3.6.0 is not installed at {TRITON_36}: ./run test installs it, or `python -m "
+        f"pip install --no-deps --target {TRITON_36} triton==3.6.0`")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(TRITON_36), *filter(None, [env.get("PYTHONPATH")])])
+    version = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
+                             env=env, check=True, capture_output=True, text=True).stdout
+    assert version.strip() == "3.6.0"
+    path = tmp_path / "report.json"
+    flags = ["--seed-pointers"] if seed_pointers else []
+    done = subprocess.run([sys.executable, "-m", "fastattn.kernels.compile_report", "--arch", "90",
+                           "--subset", *flags, "--jobs", "2", "--json", str(path)], env=env,
+                          timeout=1800, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected = set()
+    for module in kernel_modules():
+        configs = module.compile_configs()
+        for i in subset_indices(module.__name__, configs):
+            config = seeds_through_pointers(configs[i]) if seed_pointers else configs[i]
+            if config and 90 in configs[i].get("archs", (90,)):
+                expected.add((module.__name__, config["name"]))
+    rows = json.loads(path.read_text())
+    assert {(r["module"], r["name"]) for r in rows} == expected
+    assert all(r["arch"] == 90 and r["registers"] > 0 for r in rows)
+    assert [(r["name"], r["spill_bytes"]) for r in rows if r["spill_bytes"]] == []
+    matmuls = [r for r in rows if r["module"] == attention.__name__
+               and {"fp16", "tf32"} & set(r["name"].split()) and "delta" not in r["name"]]
+    assert matmuls and [r["name"] for r in matmuls if not r["wgmma"] or r["mma"]] == []
 
 
 def test_table_lists_every_column():

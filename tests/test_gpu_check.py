@@ -1,16 +1,25 @@
 """python -m fastattn.gpu_check: its dry run (every stage at tiny shapes on the CPU, the kernels in
 Triton's interpreter) passes and writes its report; a failed row fails the check."""
 
+import ast
 import json
 import subprocess
 import sys
+import types
+from functools import partial
 
-from fastattn import gpu_check
+import pytest
+import torch
+
+from fastattn import gpu_bench, gpu_check
+from fastattn.ops.attention import attention_reference
 
 
 def test_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
+    """However busy the machine: the dry run has no time budgets (the timeout only ends a hang;
+    the run takes 2 to 7 minutes on 2 cores, quiet to loaded)."""
     result = subprocess.run([sys.executable, "-m", "fastattn.gpu_check", "--dry-run", "--out",
-                             str(tmp_path)], capture_output=True, text=True, timeout=900)
+                             str(tmp_path)], capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["dry_run"] is True
@@ -32,8 +41,8 @@ def test_a_failed_row_or_a_broken_stage_is_a_failure():
     report = {"stages": {
         "correctness": {"status": "ok", "rows": [{"op": "attention", "passed": True},
                                                  {"op": "layer_norm_residual", "passed": False}]},
-        "large": {"status": "error", "error": "Traceback ...\nRuntimeError: launch failed",
-                  "rows": []},
+        "large": {"status": "error", "error": "RuntimeError: launch failed",
+                  "traceback": "Traceback ...\nRuntimeError: launch failed", "rows": []},
         "determinism": {"status": "ok", "rows": [{"op": "attention", "bitwise_equal": False}]},
     }}
     bad = gpu_check.failures(report)
@@ -47,3 +56,191 @@ def test_without_a_gpu_it_says_so_in_one_line():
     assert result.returncode == 1
     assert result.stderr.strip() == ("error: torch sees no CUDA GPU; --dry-run checks the stages "
                                      "on the CPU")
+
+
+def attention_stand_in(bits, cut):
+    """ops.attention as a single-pass kernel would compute it without a mask: float32, and
+    with torch's tf32 allowed every product's operands read with `bits` mantissa bits, the rest
+    cut (as tensor cores read float32 bits) or rounded to nearest (as cuBLAS converts first)."""
+    shift = 23 - bits
+
+    def rounded(x):
+        bits = x.float().view(torch.int32)
+        return ((bits if cut else bits + (1 << shift - 1)) & -(1 << shift)).view(torch.float32)
+
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a, b)
+            return rounded(a) @ rounded(b)
+
+        @staticmethod
+        def backward(ctx, grad):
+            a, b = (rounded(t) for t in ctx.saved_tensors)
+            return rounded(grad) @ b.mT, a.mT @ rounded(grad)
+
+    def attention(q, k, v, causal=False, attn_mask=None):
+        assert not causal and attn_mask is None
+        if not torch.backends.cuda.matmul.allow_tf32:
+            return torch.softmax(q @ k.mT * q.shape[-1] ** -0.5, -1) @ v
+        return Product.apply(torch.softmax(Product.apply(q, k.mT) * q.shape[-1] ** -0.5, -1), v)
+
+    return types.SimpleNamespace(attention=attention)
+
+
+@pytest.mark.parametrize(("bits", "cut", "passes"), [(10, True, True), (10, False, True),
+                                                     (7, True, False)],
+                         ids=["tf32 cut", "tf32 rounded", "bf16 cut"])
+def test_tf32_rows_are_graded_against_tf32s_own_error(tmp_path, monkeypatch, bits, cut, passes):
+    """A correct single-pass tf32 attention errs 6e-4 to 2e-3, hundreds of times SDPA's float32
+    error: its row passes, graded against tf32_attention's error; products reading bf16 fail."""
+    monkeypatch.setattr(gpu_check, "ops", attention_stand_in(bits, cut))
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    rows = {row["dtype"]: row for row in gpu_check.attention_case(
+        check, "self", 64, 64, 64, False, None)}
+    row = rows["fp32+tf32"]
+    assert row["fastattn_error"] > 30 * row["torch_error"]
+    assert row["passed"] is passes, row
+    assert rows["fp32"]["passed"]
+
+
+@pytest.mark.parametrize("variant", gpu_check.attention_variants(
+    gpu_check.Check(torch.device("cpu"), True, None)), ids=lambda case: case[0])
+def test_tf32_attention_errs_as_tf32_does_with_every_mask(variant, monkeypatch):
+    """tf32_attention, the tf32 rows' bound, against the float64 reference with every variant's
+    mask and causality: off by tf32's rounding (not float32's, 2e-7, nor a wrong mask's, 0.6 and
+    more), and equal to it without the rounding."""
+    _, lq, lk, d, causal, kind = variant
+    torch.manual_seed(0)
+    mask = gpu_check.make_mask(kind, 2, lq, lk, torch.device("cpu"))
+    q, k, v = (torch.randn(2, 3, n, d, dtype=torch.float64) for n in (lq, lk, lk))
+    grad = torch.randn(2, 3, lq, d, dtype=torch.float64)
+    reference = gpu_check.fwd_bwd(partial(attention_reference, causal=causal, attn_mask=mask),
+                                  [q, k, v], grad)
+    emulated = partial(gpu_check.tf32_attention, causal=causal, attn_mask=mask)
+    error = gpu_check.worst_error(gpu_check.fwd_bwd(emulated, [q, k, v], grad), reference)
+    assert 5e-4 < error < 1e-2
+    monkeypatch.setattr(gpu_check, "tf32_rounded", lambda x: x)
+    assert gpu_check.worst_error(gpu_check.fwd_bwd(emulated, [q, k, v], grad), reference) < 1e-12
+
+
+def compilation_error():
+    """What Triton 3.6 raised for a kernel calling tl.to_tensor: a CompilationError at the call
+    in the kernel (its message a source excerpt ending in a `^` line) from one at the failing
+    line of the function it called."""
+    from triton.compiler.errors import CompilationError
+
+    def at(line, column):
+        node = ast.parse("x").body[0]
+        node.lineno, node.col_offset = line, column
+        return node
+
+    try:
+        try:
+            raise CompilationError("def scalar(x):\n    x = tl.to_tensor(x)\n", at(2, 8),
+                                   "AttributeError(\"module 'triton.language' has no attribute "
+                                   "'to_tensor'\")")
+        except CompilationError as e:
+            raise CompilationError("def _attn_fwd(Q):\n    seed = scalar(seed)\n",
+                                   at(2, 11)) from e
+    except CompilationError as e:
+        return e
+
+
+def test_a_speed_case_that_raises_any_exception_is_its_row_error():
+    def call():
+        raise compilation_error()
+
+    row = gpu_bench.attention_timing(call, 1.0, torch.device("cpu"))
+    assert row == {"error": "CompilationError: AttributeError(\"module 'triton.language' has no "
+                            "attribute 'to_tensor'\") at `x = tl.to_tensor(x)`"}
+
+
+def test_the_first_error_line_of_a_broken_stage_is_the_real_error(tmp_path):
+    def broken(check):
+        raise compilation_error()
+        yield
+
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    check.report, check.deadline = {"stages": {}}, float("inf")
+    gpu_check.run_stage(check, "broken", broken)
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert gpu_check.failures(report) == [
+        "broken: CompilationError: AttributeError(\"module 'triton.language' has no attribute "
+        "'to_tensor'\") at `x = tl.to_tensor(x)`"]
+    assert "^" in report["stages"]["broken"]["traceback"]  # the whole story stays in the report
+
+
+def test_a_case_that_raises_fails_its_row_and_each_row_is_written_as_it_ends(tmp_path):
+    """run_stage: the cases before and after the one that raises keep their rows, which reach
+    report.json as each case ends; an exception setting up cases ends the stage, rows kept."""
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    check.report, check.deadline = {"stages": {}}, float("inf")
+
+    def rows_on_disk():
+        report = json.loads((tmp_path / "report.json").read_text())
+        return [dict(rows_written=len(report["stages"]["stage"]["rows"]))]
+
+    def stage(check):
+        yield "first", lambda: [dict(op="first", passed=True)]
+        yield "broken", lambda: [][1]
+        yield "on disk", rows_on_disk
+        raise ValueError("no more inputs")
+
+    gpu_check.run_stage(check, "stage", stage)
+    entry = json.loads((tmp_path / "report.json").read_text())["stages"]["stage"]
+    assert [row.get("op") or row.get("case") for row in entry["rows"][:2]] == ["first", "broken"]
+    assert entry["rows"][1]["error"] == "IndexError: list index out of range"
+    assert entry["rows"][2] == {"rows_written": 2}
+    assert entry["status"] == "error" and entry["error"] == "ValueError: no more inputs"
+    assert gpu_check.failures(json.loads((tmp_path / "report.json").read_text())) == [
+        "stage: ValueError: no more inputs", "stage: broken: IndexError: list index out of range"]
+
+
+def test_past_its_deadline_a_stage_skips_the_cases_left(tmp_path):
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    check.report, check.deadline = {"stages": {}}, float("inf")
+
+    def stage(check):
+        yield "one", lambda: [dict(case="one")]
+        check.deadline = 0.0  # the deadline passes during the first case
+        yield "two", lambda: [dict(case="two")]
+
+    gpu_check.run_stage(check, "stage", stage)
+    assert check.report["stages"]["stage"]["rows"] == [{"case": "one"}]
+    assert check.report["stages"]["stage"]["status"] == "cut at its time budget"
+
+
+STAGE_SCRIPT = """
+import json, os, sys, time
+out, name, end = sys.argv[1], sys.argv[2], sys.argv[3]
+report = json.load(open(os.path.join(out, "report.json")))
+report["stages"][name] = dict(status="running", rows=[dict(case="before it ended")])
+json.dump(report, open(os.path.join(out, "report.json"), "w"))
+if end == "crash":
+    print("RuntimeError: CUDA error: an illegal memory access was encountered", file=sys.stderr)
+    os._exit(3)
+if end == "hang":
+    time.sleep(600)
+"""
+
+
+def test_a_stage_process_that_dies_or_overruns_ends_its_stage_only(tmp_path, monkeypatch):
+    """run_in_process: the rows a stage's process wrote are kept; one that dies or runs past its
+    budget and the grace is ended with its stage's status saying so; the next stage runs."""
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    check.report = {"stages": {}}
+    ends = {"first": "crash", "second": "hang", "third": "ok"}
+    monkeypatch.setattr(gpu_check, "stage_command", lambda check, name, deadline: [
+        sys.executable, "-c", STAGE_SCRIPT, str(check.out), name, ends[name]])
+    monkeypatch.setattr(gpu_check, "GRACE_SECONDS", 1.0)
+    for name in ends:
+        gpu_check.run_in_process(check, name, 1.0)
+    stages = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert all(stage["rows"] == [{"case": "before it ended"}] for stage in stages.values())
+    assert stages["first"]["status"] == "error"
+    assert stages["first"]["error"] == ("its process died (exit code 3); last said: RuntimeError: "
+                                        "CUDA error: an illegal memory access was encountered")
+    assert stages["second"]["status"] == "error"
+    assert stages["second"]["error"].startswith("ended 1 s past its budget")
+    assert stages["third"]["status"] == "running"  # as the process left it, exit code 0

@@ -3,6 +3,8 @@ update that reads everything that changes from tensors, equal to launch_step's. 
 itself is gpu_check's (a GPU)."""
 
 import copy
+import types
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -105,6 +107,58 @@ def test_dropout_draws_new_masks_on_every_replay():
     assert first != second
     (graph,) = graphed.micro_batches.values()
     assert 0 < graph.seeds.taken == len(graph.seeds.table)
+
+
+def test_each_graph_is_warmed_up_on_the_stream_it_is_captured_on(monkeypatch):
+    """State a kernel makes lazily per stream (kernels/reduction.py's arrival counters, which
+    refuse to be made while capturing) must exist for the capture stream before the capture:
+    torch.cuda's streams and graphs are faked on the CPU, and the work makes its stream's state
+    the first time it runs on a stream."""
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    state = types.SimpleNamespace(current=Stream(), capturing=False)
+
+    @contextmanager
+    def on(stream):
+        before, state.current = state.current, stream if stream is not None else state.current
+        try:
+            yield
+        finally:
+            state.current = before
+
+    default_capture_stream = Stream()  # torch.cuda.graph's when it is given none
+
+    @contextmanager
+    def graph(cuda_graph, pool=None, stream=None):
+        with on(stream or default_capture_stream):
+            state.capturing = True
+            try:
+                yield
+            finally:
+                state.capturing = False
+
+    for name, fake in (("Stream", Stream), ("stream", on), ("graph", graph),
+                       ("current_stream", lambda device=None: state.current),
+                       ("CUDAGraph", lambda: types.SimpleNamespace(replay=lambda: None))):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    model = tiny_model()
+    graphed = GraphedUpdate(LossModule(model), adam(model))
+    graphed.device, graphed.stream = torch.device("cuda"), Stream()
+    made = []
+
+    def work():
+        if state.current not in made:
+            assert not state.capturing, "per-stream state made while capturing"
+            made.append(state.current)
+
+    for _ in range(2):  # two graphs: the second finds its stream's state made
+        graphed._warm_and_capture(work)
+    assert made == [graphed.stream]
 
 
 def test_r_drop_and_an_unfused_optimiser_are_refused():

@@ -74,7 +74,7 @@ def test_set_backend_round_trip():
 
 def test_triton_outside_supported_range_is_named(monkeypatch):
     monkeypatch.setattr(triton, "__version__", "2.1.0")
-    expected = "triton 2.1.0 is not supported: fastattn needs triton>=3.2,<3.10"
+    expected = "triton 2.1.0 is not supported: fastattn needs triton>=3.6,<3.10"
     assert backend._check_triton() == expected
     monkeypatch.setattr(triton, "__version__", "3.9.0")
     assert backend._check_triton() is None

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from fastattn import decoding
+from fastattn.model import Transformer
 from fastattn.search import Hypothesis, beam_search, greedy_search, length_penalty_table
 
 BOS, EOS = 5, 1
@@ -285,3 +287,23 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
     command.append("-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE")
     result = subprocess.run(command, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("native_loop", [pytest.param(True, marks=needs_native), False])
+def test_transformer_beam_search_names_a_bos_or_eos_id_outside_the_vocabulary(monkeypatch,
+                                                                               native_loop):
+    """BOS is an input of the decoder (ids below vocab_size), EOS an output (ids below the output
+    vocabulary's size): the native loop raised a bare IndexError for a BOS outside."""
+    monkeypatch.setattr(decoding, "NATIVE_BEAM_SEARCH", native_loop)
+    torch.manual_seed(0)
+    net = Transformer.from_preset("tiny", vocab_size=50, output_vocab_size=40).eval()
+    src = torch.randint(4, 50, (2, 5))
+    kwargs = dict(beam_size=2, max_len=4)
+    for bos_id in (50, -1):
+        with pytest.raises(ValueError, match=rf"^bos_id {bos_id} is outside the vocabulary of 50 "
+                           r"\(ids 0 to 49\)$"):
+            net.beam_search(src, bos_id=bos_id, eos_id=2, **kwargs)
+    with pytest.raises(ValueError, match=r"^eos_id 45 is outside the output vocabulary of 40 "
+                       r"\(ids 0 to 39\)$"):
+        net.beam_search(src, bos_id=45, eos_id=45, **kwargs)  # BOS 45 is an input token
+    net.beam_search(src, bos_id=45, eos_id=39, **kwargs)

@@ -385,6 +385,44 @@ def test_the_next_update_is_launched_before_the_last_is_read_except_at_a_save_or
     assert metrics[3] == metrics[1] and len(metrics[3]) == 6
 
 
+def test_the_metrics_record_spanning_a_resume_averages_every_update_since_the_last_record(
+        tmp_path):
+    """A checkpoint keeps the sums of the updates since the last metrics record: the record
+    after a resume averaged only the updates after it (6.733 against 6.882 uninterrupted). A
+    checkpoint written before it kept them gives a record marked with the updates it covers."""
+    paths = corpus(tmp_path, lines=40)
+
+    def args(save_dir, *flags):
+        command = train_command(paths, tmp_path / save_dir, "--max-updates", 8, "--log-every", 4,
+                                "--save-every", 0, *flags)
+        return replace(parse_args(command[3:]), threads=0)  # keep this process's thread count
+
+    def training_records(save_dir):
+        return [json.loads(line) for line in (tmp_path / save_dir / "metrics.jsonl").read_text()
+                .splitlines() if "loss" in line]
+
+    train_module.Run(args("ref")).train()
+    expected = training_records("ref")
+    assert [r["step"] for r in expected] == [4, 8]
+    train_module.Run(args("run")).train(until=6)  # pauses with a checkpoint at update 6
+    train_module.Run(args("run", "--resume")).train()
+    records = training_records("run")
+    assert [r["step"] for r in records] == [4, 8]
+    for name in ("loss", "nll", "ppl", "grad_norm"):
+        assert records[1][name] == expected[1][name], name
+    assert "partial_updates" not in records[1]
+
+    train_module.Run(args("old")).train(until=6)
+    saved = tmp_path / "old" / "checkpoint_00000006.pt"
+    state = checkpoint.load_checkpoint(saved)
+    del state["train"]["window"]  # as a checkpoint written before the window was kept
+    checkpoint.save_checkpoint(saved, state)
+    train_module.Run(args("old", "--resume")).train()
+    old = training_records("old")
+    assert old[1]["partial_updates"] == 2 and old[1]["loss"] != expected[1]["loss"]
+    assert old[0] == {**expected[0], "tok_per_s": old[0]["tok_per_s"], "time": old[0]["time"]}
+
+
 @pytest.mark.parametrize("preset", [None, "64"])
 def test_run_widens_onednn_kernel_cache_unless_set(tmp_path, monkeypatch, preset):
     """Token buckets give each batch its own shapes; oneDNN's default cache of 1,024 compiled

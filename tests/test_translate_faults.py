@@ -23,7 +23,13 @@ from test_translate import SHORT, make_checkpoint
 from fastattn import data, evaluate
 from fastattn.checkpoint import load_model
 from fastattn.train import evaluation
-from fastattn.translate import MAX_SOURCE_LEN, SourceTruncatedWarning, Translation, Translator
+from fastattn.translate import (
+    MAX_SOURCE_LEN,
+    SourceTruncatedWarning,
+    Translation,
+    Translator,
+    UnreadableSourceWarning,
+)
 from fastattn.translate_command import main
 
 ENV = {**os.environ, "FASTATTN_BACKEND": "torch", "OMP_NUM_THREADS": "2"}
@@ -154,6 +160,35 @@ def test_empty_lines_give_empty_lines_in_place(checkpoint, monkeypatch, capsys):
     translator = Translator.from_checkpoint(checkpoint, **SHORT)
     assert translator.translate(["", " "]) == ["", ""]
     assert list(translator.stream([""])) == [[Translation("", 0.0, [])]]
+
+
+def test_lines_of_only_unknown_characters_give_empty_lines_with_a_warning(
+        checkpoint, monkeypatch, capsys):
+    """Emoji, a NUL byte, control characters: the model invented German for them ("Hecker binden
+    sich."). A line with a known piece among them translates; an empty one warns of nothing."""
+    unreadable = ["\U0001F600\U0001F600", "\x00", "\x01\x02\x1b", " \U0001F415 \x00 \u20ac "]
+    mixed = "\U0001F600 " + SHORT_LINES[2]
+    lines = [SHORT_LINES[0], *unreadable, "", mixed]
+    sp = Translator.from_checkpoint(checkpoint).sp
+    assert sp.encode(unreadable[0]) and {sp.id_to_piece(i) for i in sp.encode(unreadable[0])} \
+        == {"\u2581", "<unk>"}  # the case decoded before
+    expected = Translator.from_checkpoint(checkpoint, **SHORT).translate([SHORT_LINES[0], mixed])
+    assert all(expected)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(
+        "".join(f"{x}\n" for x in lines).encode())))
+    main(["--checkpoint", str(checkpoint), "--max-len-b", "4", "--window", "3"])
+    out, err = capsys.readouterr()
+    assert out.split("\n") == [expected[0], "", "", "", "", "", expected[1], ""]
+    assert err.splitlines() == [
+        f"warning: stdin:{line}: nothing in the line is in the model's vocabulary (emoji, "
+        "control characters?); its translation is an empty line" for line in (2, 3, 4, 5)]
+    told = []
+    translator = Translator.from_checkpoint(checkpoint, on_unreadable=told.append, **SHORT)
+    assert translator.translate(lines) == out.split("\n")[:-1] and told == [2, 3, 4, 5]
+    assert list(translator.stream(unreadable[:1])) == [[Translation("", 0.0, [])]]
+    with pytest.warns(UnreadableSourceWarning, match="^line 1: nothing in it is in the model's "
+                      r"vocabulary \(emoji, control characters\?\); translated as an empty line$"):
+        Translator.from_checkpoint(checkpoint, **SHORT).translate(unreadable[1:2])
 
 
 def test_invalid_utf8_names_the_line_after_the_lines_before_it_are_written(

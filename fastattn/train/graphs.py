@@ -63,6 +63,9 @@ class GraphedUpdate:
         self.device = self.params[0].device
         self.pad_id = loss_module.pad_id
         self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        """Where each graph's work is warmed up and then captured: state made lazily per stream
+        (kernels/reduction.py's arrival counters) exists for the capture before it begins."""
         self.grads = [torch.zeros_like(p) for p in self.params]
         """The update's gradients (the params' .grad between micro-batches): graphs hold them."""
         for p, grad in zip(self.params, self.grads, strict=True):
@@ -164,19 +167,19 @@ class GraphedUpdate:
             del self.optimizer.found_inf
 
     def _warm_and_capture(self, work: Callable[[], None]) -> Callable[[], None]:
-        """Runs `work` once (on a GPU off the default stream, as capture wants the kernels
-        compiled and lazily made state allocated first) and returns what runs it again: its
-        CUDA graph's replay, or on other devices `work` itself."""
+        """Runs `work` once (on a GPU on the capture stream, off the default one, as capture
+        wants the kernels compiled and lazily made state allocated first, for that stream) and
+        returns what runs it again: its CUDA graph's replay, or on other devices `work` itself."""
         if self.device.type != "cuda":
             work()
             return work
         current = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
             work()
-        current.wait_stream(side)
+        current.wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):  # records the work, does not run it
+        # records the work, does not run it
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
             work()
         return graph.replay

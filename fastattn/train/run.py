@@ -64,9 +64,14 @@ class InFlight(NamedTuple):
     """The data position's epoch once its batches were drawn."""
 
 
-def new_window() -> dict[str, float]:
-    """Sums over the updates since the last log record."""
-    return {"loss": 0.0, "nll": 0.0, "tokens": 0, "batch_tokens": 0, "time": time.time()}
+def new_window(carried: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Sums over the updates since the last metrics record: none, or those a checkpoint carried
+    (Run.state: "seconds", the time they took, sets the clock back). "partial": a checkpoint
+    that did not keep them preceded these updates."""
+    window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "batch_tokens": 0, "updates": 0,
+              "seconds": 0.0, **(carried or {})}
+    window["time"] = time.time() - window.pop("seconds")
+    return window
 
 
 class Run:
@@ -137,6 +142,7 @@ class Run:
                                           fused=True)
         self.step, self.epoch, self.epoch_step, self.bad_steps = 0, 0, 0, 0
         self.saved_step, self.last_checkpoint = 0, None
+        self.window = new_window()
         if state is not None:
             self.restore(state)
             # An interrupted checkpoint is not among those the final model averages: if the
@@ -206,6 +212,9 @@ class Run:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "step": self.step, "epoch": self.epoch, "epoch_step": self.epoch_step,
                 "bad_steps": self.bad_steps, "world_size": self.world, "rng": rngs,
+                # the sums since the last metrics record: a resumed run's next one covers all
+                "window": {**{k: v for k, v in self.window.items() if k != "time"},
+                           "seconds": time.time() - self.window["time"]},
             },
         }
 
@@ -221,6 +230,11 @@ class Run:
         self.step, self.epoch = train["step"], train["epoch"]
         self.epoch_step, self.bad_steps = train["epoch_step"], train["bad_steps"]
         set_rng_state(train["rng"][self.rank])
+        window = train.get("window")
+        every = saved_flags(state["meta"]).get("log_every", self.args.log_every)
+        if window is None and self.step % every:  # written before checkpoints kept the window
+            window = {"partial": True}
+        self.window = new_window(window)
 
     def save(self, interrupted: bool = False) -> Path | None:
         """A numbered checkpoint of this moment (rank 0 writes it; a collective under DDP), or
@@ -325,7 +339,6 @@ class Run:
             self.bar = tqdm(total=args.max_updates, initial=self.step, unit="upd",
                             dynamic_ncols=True, desc=self.name or None, position=self.bar_row)
         self.model.train()
-        self.window = new_window()
         self.batches = self.updates()
         in_flight = None  # the update launched last, not yet read
         with signals.deferred():
@@ -406,6 +419,7 @@ class Run:
         window["nll"] += result.nll * result.tokens
         window["tokens"] += result.tokens
         window["batch_tokens"] += sum(int(b[0].numel() + b[1].numel()) for b in update.batches)
+        window["updates"] += 1
         if self.step % args.log_every == 0 or self.finished(epoch=update.epoch):
             elapsed = time.time() - window["time"]
             loss, nll = window["loss"] / window["tokens"], window["nll"] / window["tokens"]
@@ -413,6 +427,8 @@ class Run:
                       "ppl": math.exp(min(nll, 50)), "lr": update.lr,
                       "tok_per_s": window["batch_tokens"] * self.world / elapsed,
                       "grad_norm": result.grad_norm, "time": time.time()}
+            if window.get("partial"):  # the averages of its last updates only
+                record["partial_updates"] = window["updates"]
             self.write_metrics(record)
             if self.bar is not None:
                 self.bar.set_postfix(loss=f"{loss:.3f}", ppl=f"{record['ppl']:.1f}",
