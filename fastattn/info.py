@@ -111,7 +111,8 @@ def _gpu() -> str:
             f"{props.total_memory / 2**30:.0f} GiB, CUDA {torch.version.cuda}")
 
 
-def report() -> str:
+def report(all_devices: bool = False) -> str:
+    """The machine and the dispatch table: this machine's devices' rows, or every device's."""
     triton_state, interpreter = _triton()
     lines = [
         f"{'python':<28}{platform.python_version()} ({sys.executable})",
@@ -130,15 +131,21 @@ def report() -> str:
         "dispatch: op, device, dtype, grad mode -> implementation (attention masked or causal; "
         f"attention[D>{backend.TRITON_MAX_HEAD_DIM}]: heads wider than the Triton kernels')",
     ]
+    rows = dispatch_table()
+    here = {"cpu", "cuda"} if all_devices or torch.cuda.is_available() else {"cpu"}
     lines += [f"  {op:<30}{device:<6}{dtype:<6}{mode:<11}{impl}"
-              for op, device, dtype, mode, impl in dispatch_table()]
+              for op, device, dtype, mode, impl in rows if device in here]
+    hidden = sum(device not in here for _, device, *_ in rows)
+    if hidden:
+        lines.append(f"  (and {hidden} cuda rows: no GPU here; --all prints them)")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    ArgumentParser(prog="python -m fastattn.info", description=__doc__.split("\n")[0]
-                            ).parse_args(argv)
-    print(report())
+    parser = ArgumentParser(prog="python -m fastattn.info", description=__doc__.split("\n")[0])
+    parser.add_argument("--all", action="store_true",
+                        help="print every device's dispatch rows, not only this machine's")
+    print(report(parser.parse_args(argv).all))
 
 
 if __name__ == "__main__":

@@ -13,8 +13,8 @@ from fastattn.kernels.attention import MAX_HEAD_DIM
 
 
 def test_info_prints_the_dispatch_table_implementation_returns():
-    out = subprocess.run([sys.executable, "-m", "fastattn.info"], capture_output=True, text=True,
-                         env=dict(os.environ), timeout=120)
+    out = subprocess.run([sys.executable, "-m", "fastattn.info", "--all"], capture_output=True,
+                         text=True, env=dict(os.environ), timeout=120)
     assert out.returncode == 0, out.stderr
     head, table = out.stdout.split("dispatch:")
     for field in ("python", "torch", "triton", "fastattn._C", "backend", "cpu features", "gpu",
@@ -38,3 +38,17 @@ def test_info_prints_the_dispatch_table_implementation_returns():
 
 def test_the_head_dim_limit_is_the_kernels():
     assert TRITON_MAX_HEAD_DIM == MAX_HEAD_DIM
+
+
+def test_without_a_gpu_info_shows_the_cpu_rows_and_counts_the_rest():
+    out = subprocess.run([sys.executable, "-m", "fastattn.info"], capture_output=True, text=True,
+                         env=dict(os.environ), timeout=120)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout.split("dispatch:")[1].splitlines()[1:]
+    cuda_rows = (len(OPS) + len(VARIANTS)) * len(DTYPES) * len(GRAD_MODES)
+    devices = {line.split()[1] for line in table if not line.strip().startswith("(")}
+    if torch.cuda.is_available():
+        assert devices == {"cpu", "cuda"}
+    else:
+        assert devices == {"cpu"}
+        assert table[-1] == f"  (and {cuda_rows} cuda rows: no GPU here; --all prints them)"
