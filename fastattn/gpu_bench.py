@@ -68,12 +68,15 @@ def device_name(check: Check) -> str:
 
 
 def error_line(error: BaseException) -> str:
-    """The line that says what went wrong: the innermost cause's type and first line. A Triton
-    CompilationError's own message is a source excerpt ending in a `^` line, and each function
-    it compiled through wraps the one below: the innermost says what failed, and where."""
-    while error.__cause__ is not None or (error.__context__ is not None
-                                          and not error.__suppress_context__):
-        error = error.__cause__ or error.__context__
+    """The line that says what went wrong: an exception's type and first line; for a Triton
+    CompilationError, whose message is a source excerpt ending in a `^` line and which wraps the
+    one of each function it compiled through (raise ... from), the innermost one's message and
+    source line: what failed, and where."""
+    def compiling(e: BaseException | None) -> bool:
+        return hasattr(e, "src") and hasattr(e, "node")
+
+    while compiling(error) and compiling(error.__cause__):
+        error = error.__cause__
     src, node = getattr(error, "src", None), getattr(error, "node", None)
     if getattr(error, "error_message", None) and src and hasattr(node, "lineno"):
         line = src.split("\n")[node.lineno - 1].strip()
