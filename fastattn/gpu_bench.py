@@ -41,14 +41,16 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # 
 
 @dataclass
 class Check:
-    """The state of one run that every stage takes: where it runs, whether it is the dry run,
-    the report so far (gpu_check writes it under `out` as each stage ends) and the deadline of the
-    stage running."""
+    """The state of one run that every stage takes: where it runs, whether it is the dry run or
+    the quick profile (gpu_check --quick: fewer cases, each stage's essentials), the report so
+    far (gpu_check writes it under `out` as each case ends) and the deadline of the stage
+    running."""
     device: torch.device
     dry_run: bool
     out: Path
     report: dict[str, Any] = field(default_factory=dict)
     deadline: float = 0.0  # of the stage running
+    quick: bool = False
 
     def time_left(self) -> bool:
         return time.monotonic() < self.deadline
@@ -66,12 +68,15 @@ def device_name(check: Check) -> str:
 
 
 def error_line(error: BaseException) -> str:
-    """The line that says what went wrong: the innermost cause's type and first line. A Triton
-    CompilationError's own message is a source excerpt ending in a `^` line, and each function
-    it compiled through wraps the one below: the innermost says what failed, and where."""
-    while error.__cause__ is not None or (error.__context__ is not None
-                                          and not error.__suppress_context__):
-        error = error.__cause__ or error.__context__
+    """The line that says what went wrong: an exception's type and first line; for a Triton
+    CompilationError, whose message is a source excerpt ending in a `^` line and which wraps the
+    one of each function it compiled through (raise ... from), the innermost one's message and
+    source line: what failed, and where."""
+    def compiling(e: BaseException | None) -> bool:
+        return hasattr(e, "src") and hasattr(e, "node")
+
+    while compiling(error) and compiling(error.__cause__):
+        error = error.__cause__
     src, node = getattr(error, "src", None), getattr(error, "node", None)
     if getattr(error, "error_message", None) and src and hasattr(node, "lineno"):
         line = src.split("\n")[node.lineno - 1].strip()
@@ -127,22 +132,28 @@ def attention_speed(check: Check) -> Cases:
     dev = check.device
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     systems: dict[str, Callable[..., torch.Tensor]] = {"fastattn": ops.attention}
-    for name, backend in (("sdpa flash", SDPBackend.FLASH_ATTENTION),
-                          ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION),
-                          ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION)):
+    if check.quick:  # one row against SDPA as it picks its backend
+        systems["sdpa"] = lambda q, k, v, causal=False: F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal)
+        backends = ()
+    else:
+        backends = (("sdpa flash", SDPBackend.FLASH_ATTENTION),
+                    ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION),
+                    ("sdpa cudnn", SDPBackend.CUDNN_ATTENTION))
+    for name, backend in backends:
         def sdpa(q, k, v, causal=False, backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         systems[name] = sdpa
     try:
         from flash_attn import flash_attn_func
-
+    except ImportError:
+        flash_attn_func = None
+    if flash_attn_func is not None and not check.quick:
         systems["flash_attn"] = lambda q, k, v, causal=False: flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
-    except ImportError:
-        pass
     tokens = 256 if check.dry_run else 16384
-    lengths = (64,) if check.dry_run else (128, 512, 2048, 8192)
+    lengths = (64,) if check.dry_run else (512,) if check.quick else (128, 512, 2048, 8192)
 
     def case(name: str, fn: Callable[..., torch.Tensor], b: int, heads: int, length: int,
              d: int, causal: bool) -> Rows:
@@ -155,10 +166,10 @@ def attention_speed(check: Check) -> Cases:
             row["passed"] = False
         return [row]
 
-    for d in ((16,) if check.dry_run else (64, 128)):
+    for d in ((16,) if check.dry_run else (64,) if check.quick else (64, 128)):
         heads = 1024 // d if not check.dry_run else 2
         for length in lengths:
-            for causal in (False, True):
+            for causal in (False,) if check.quick else (False, True):
                 b = max(1, tokens // length)
                 for name, fn in systems.items():
                     yield (f"{name} L={length} D={d} causal={causal}",
@@ -218,6 +229,8 @@ def fused_speed(check: Check) -> Cases:
 
 def training(check: Check) -> Cases:
     yield "--cuda-graphs updates = launch_step's", lambda: [graphs_match(check)]
+    if check.quick:
+        return
     for preset in ("base",) if check.dry_run else ("base", "big"):  # the same tiny model dry
         yield f"{preset} update", partial(lambda preset: [training_step(check, preset)], preset)
 

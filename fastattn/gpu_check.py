@@ -114,6 +114,11 @@ DTYPES = {"fp16": (torch.float16, False), "bf16": (torch.bfloat16, False),
           "fp32": (torch.float32, False), "fp32+tf32": (torch.float32, True)}
 
 
+def dtypes(check: Check) -> dict[str, tuple[torch.dtype, bool]]:
+    """The DTYPES a run grades: --quick leaves tf32 out (fp32's kernels compiled again)."""
+    return {k: v for k, v in DTYPES.items() if not (check.quick and k == "fp32+tf32")}
+
+
 @contextmanager
 def tf32(allowed: bool) -> Iterator[None]:
     """fp32 matmuls with or without tf32 (the kernels follow torch's setting)."""
@@ -217,15 +222,18 @@ def environment_rows(check: Check) -> Rows:
 
 
 def attention_variants(check: Check) -> list[tuple[str, int, int, int, Any, str]]:
-    """(name, Lq, Lk, D, causal, mask kind) of what the model and the drop-in launch."""
+    """(name, Lq, Lk, D, causal, mask kind) of what the model and the drop-in launch; --quick:
+    the model's three at its head dim and a sentence's length."""
     lengths = (17,) if check.dry_run else (97, 1023)
     d = 16 if check.dry_run else 64
     rows = []
     for length in lengths:
         rows += [("self, key padding", length, length, d, False, "key"),
                  ("decoder, causal", length, length, d, True, None),
-                 ("cross, key padding", length // 2 + 1, length, d, False, "key"),
-                 ("bool mask per query", length, length, d, False, "bool"),
+                 ("cross, key padding", length // 2 + 1, length, d, False, "key")]
+        if check.quick:
+            return rows
+        rows += [("bool mask per query", length, length, d, False, "bool"),
                  ("float mask", length, length, d, False, "float"),
                  ("bottom-right causal", length // 2 + 1, length, d, "bottom_right", None)]
     wide = 32 if check.dry_run else 128
@@ -265,10 +273,12 @@ def attention_case(check: Check, name: str, lq: int, lk: int, d: int, causal: An
     grad = torch.randn(b, h, lq, d, device=dev, dtype=torch.float64)
     reference = fwd_bwd(lambda q, k, v: attention_reference(
         q, k, v, causal=causal, attn_mask=mask64), [q, k, v], grad)
-    tf32_error = worst_error(fwd_bwd(partial(tf32_attention, causal=causal, attn_mask=mask64),
-                                     [q, k, v], grad), reference)
+    graded_dtypes = dtypes(check)
+    if "fp32+tf32" in graded_dtypes:
+        tf32_error = worst_error(fwd_bwd(partial(tf32_attention, causal=causal,
+                                                 attn_mask=mask64), [q, k, v], grad), reference)
     rows = []
-    for dtype_name, (dtype, allow_tf32) in DTYPES.items():
+    for dtype_name, (dtype, allow_tf32) in graded_dtypes.items():
         mask = mask64 if mask64 is None or mask64.dtype == torch.bool else mask64.to(dtype)
         torch_mask = sdpa_mask(mask, causal, lq, lk, dev)
         cast = [x.to(dtype) for x in (q, k, v)]
@@ -382,7 +392,7 @@ def cross_entropy_cases(check: Check) -> Rows:
     linear_reference = fwd_bwd(lambda x, w: cross_entropy_reference(
         x @ w.T, target, 0.1, ignore_index=0)[0], [hidden, weight], grad)
     rows = []
-    for dtype_name, (dtype, allow_tf32) in DTYPES.items():
+    for dtype_name, (dtype, allow_tf32) in dtypes(check).items():
         with tf32(allow_tf32):
             ours = fwd_bwd(lambda x: ops.label_smoothed_cross_entropy(
                 x, target, 0.1, ignore_index=0), [logits.to(dtype)], grad)
@@ -533,6 +543,12 @@ STAGES: list[tuple[str, Callable[[Check], Cases], float]] = [
     ("attention", attention_speed, 120), ("fused", fused_speed, 40),
     ("training", training, 90), ("decoding", decoding, 20), ("registers", registers, 10),
 ]
+# --quick: these stages only, with these budgets (205 s, and a process start each), for a first
+# look, a fix and a second look within a GPU lease of 15 minutes: every op's correctness in
+# fp16, bf16 and fp32 at the model's shapes, one speed row per op against SDPA or eager, one
+# graphed training update against the eager one.
+QUICK_BUDGETS = {"environment": 10, "correctness": 105, "attention": 20, "fused": 20,
+                 "training": 40, "registers": 10}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -576,7 +592,8 @@ GRACE_SECONDS = 30.0
 def stage_command(check: Check, name: str, deadline: float | None) -> list[str]:
     """The command line of the process that runs stage `name` into check.out's report."""
     return [sys.executable, "-m", "fastattn.gpu_check", "--out", str(check.out),
-            *(["--dry-run"] if check.dry_run else []), "--stage-process", name,
+            *(["--dry-run"] if check.dry_run else []), *(["--quick"] if check.quick else []),
+            "--stage-process", name,
             *([] if deadline is None else ["--deadline", repr(deadline)])]
 
 
@@ -678,26 +695,31 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="every stage at tiny shapes on the CPU, kernels interpreted, "
                              "without time budgets")
-    parser.add_argument("--stages", default=",".join(name for name, _, _ in STAGES),
-                        help="comma-separated stages to run, in the order above")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"the quick profile (budgets of 205 s in all, for 4 minutes): stages "
+                             f"{', '.join(QUICK_BUDGETS)} with fewer cases (QUICK_BUDGETS)")
+    parser.add_argument("--stages", help="comma-separated stages to run, in the order above "
+                                         "(default: all, or --quick's)")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiplies every stage's time budget")
     # What run_in_process starts: one stage, until a deadline (seconds since the epoch).
     parser.add_argument("--stage-process", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    chosen = args.stages.split(",")
+    chosen = args.stages.split(",") if args.stages else list(
+        QUICK_BUDGETS if args.quick else (name for name, _, _ in STAGES))
     unknown = set(chosen) - {name for name, _, _ in STAGES}
     if unknown:
         parser.error(f"unknown stages {sorted(unknown)}; the stages are "
                      f"{', '.join(name for name, _, _ in STAGES)}")
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: torch sees no CUDA GPU; --dry-run checks the stages on the CPU")
-    check = Check(torch.device("cpu" if args.dry_run else "cuda"), args.dry_run, Path(args.out))
+    check = Check(torch.device("cpu" if args.dry_run else "cuda"), args.dry_run, Path(args.out),
+                  quick=args.quick)
     if args.stage_process:
         stage_process(check, args.stage_process, args.deadline)
         return
-    check.report = dict(device=device_name(check), dry_run=args.dry_run,
+    check.report = dict(device=device_name(check), dry_run=args.dry_run, quick=args.quick,
                         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                         command=" ".join(["python -m fastattn.gpu_check", *(argv or sys.argv[1:])]),
                         stages={})
@@ -706,6 +728,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         # The dry run has no deadline: it checks that each stage runs, not how fast (on a busy
         # 2-core machine its training stage took 306 s against a 90 s budget).
+        budget = QUICK_BUDGETS.get(name, budget) if args.quick else budget
         run_in_process(check, name, None if args.dry_run else budget * args.budget_scale)
         entry = check.report["stages"][name]
         print(f"gpu_check: {name}: {entry['status']} in {entry['seconds']:.1f} s", flush=True)

@@ -244,3 +244,23 @@ def test_a_stage_process_that_dies_or_overruns_ends_its_stage_only(tmp_path, mon
     assert stages["second"]["status"] == "error"
     assert stages["second"]["error"].startswith("ended 1 s past its budget")
     assert stages["third"]["status"] == "running"  # as the process left it, exit code 0
+
+
+def test_quick_runs_each_stages_essentials(tmp_path):
+    """--quick: every op's correctness in fp16, bf16 and fp32 at the model's attention variants,
+    one speed row per op against SDPA or eager, one graphed update against the eager one, in
+    budgets that leave a process start per stage within 4 minutes."""
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path, quick=True)
+    cases = {name: [case for case, _ in stage(check)] for name, stage, _ in gpu_check.STAGES
+             if name in gpu_check.QUICK_BUDGETS}
+    assert cases["correctness"] == [
+        "attention, self, key padding", "attention, decoder, causal",
+        "attention, cross, key padding", "layer_norm_residual, with residual",
+        "layer_norm_residual, no residual", "cross-entropy, linear cross-entropy",
+        "relu_backward_bias", "embedding"]
+    assert set(gpu_check.dtypes(check)) == {"fp16", "bf16", "fp32"}
+    assert cases["attention"] == ["fastattn L=64 D=16 causal=False", "sdpa L=64 D=16 causal=False"]
+    assert len(cases["fused"]) == 6  # three ops, each against eager
+    assert cases["training"] == ["--cuda-graphs updates = launch_step's"]
+    assert sum(gpu_check.QUICK_BUDGETS.values()) + 5 * len(gpu_check.QUICK_BUDGETS) <= 240
+    assert "--quick" in gpu_check.stage_command(check, "training", None)
