@@ -28,6 +28,17 @@ QUICK = os.environ.get("FASTATTN_BENCH_QUICK", "0") == "1"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 CORES = len(os.sched_getaffinity(0))
 
+# What holds every library of a run to an instruction-set level (set before the process starts:
+# each reads its variable when it loads): fastattn._C, ATen's kernels, MKL, oneDNN, CTranslate2.
+HELD_ISA = {
+    "avx2": {"FASTATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "CT2_FORCE_CPU_ISA": "AVX2"},
+    "avx512": {"FASTATTN_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+               "CT2_FORCE_CPU_ISA": "AVX512"},
+}
+
 ROUND_SECONDS = 0.01 if QUICK else 0.05
 BUDGET_SECONDS = 0.05 if QUICK else 1.0
 MIN_ROUNDS = 2 if QUICK else 5

@@ -4,6 +4,7 @@ process may use, and records the device, versions and backend with every result.
 from __future__ import annotations
 
 import fnmatch
+import os
 import platform
 
 import pytest
@@ -13,6 +14,7 @@ import fastattn
 from benchmarks.common import (
     CORES,
     DEVICE,
+    HELD_ISA,
     QUICK,
     device_name,
     device_peak_flop_per_s,
@@ -58,6 +60,9 @@ def environment() -> dict[str, object]:
         "fastattn": fastattn.__version__,
         "python": platform.python_version(),
         "low_precision_measured": low_precision_has_hardware(),
+        "cpu_isa": fastattn.cpu_isa(),  # fastattn._C's level; the variables holding the rest:
+        "held": {k: os.environ[k] for k in sorted({k for v in HELD_ISA.values() for k in v})
+                 if k in os.environ},
     }
     if DEVICE.type == "cuda":
         info["cuda"] = torch.version.cuda

@@ -3,6 +3,8 @@
     python -m benchmarks.report                    # run everything, then write BENCHMARKS.md
     python -m benchmarks.report --json PATH        # only rewrite BENCHMARKS.md from saved results
     python -m benchmarks.report --quick            # smoke run: tiny shapes, meaningless numbers
+    python -m benchmarks.report --isa avx2 -- -k "training or decoding"
+                                                   # the same held to AVX2, shown beside it
     python -m benchmarks.report -- -k attention    # arguments after -- go to pytest
 
 A run is `pytest benchmarks/ --benchmark-only --benchmark-json=benchmarks/results.json`; the
@@ -39,9 +41,13 @@ OUTPUT = ROOT / "BENCHMARKS.md"
 # --- running ---------------------------------------------------------------------------------
 
 
-def run_suite(results: Path, quick: bool, pytest_args: list[str]) -> tuple[int, float]:
-    """Runs the benchmarks into `results`; returns pytest's exit code and the wall time."""
-    env = {**os.environ, "FASTATTN_BENCH_QUICK": "1" if quick else "0"}
+def run_suite(results: Path, quick: bool, pytest_args: list[str],
+              isa: str | None = None) -> tuple[int, float]:
+    """Runs the benchmarks into `results`, every library held to `isa` if given (HELD_ISA);
+    returns pytest's exit code and the wall time."""
+    from benchmarks.common import HELD_ISA
+
+    env = {**os.environ, "FASTATTN_BENCH_QUICK": "1" if quick else "0", **HELD_ISA.get(isa, {})}
     command = [sys.executable, "-m", "pytest", str(ROOT / "benchmarks"), "--benchmark-only"]
     command += [f"--benchmark-json={results}", "--benchmark-columns=median,iqr,rounds"]
     command += ["-p", "no:cacheprovider", *pytest_args]
@@ -424,7 +430,25 @@ HOW_TO_READ = (
 )
 
 
-def render(results: dict, compile_rows: list[dict] | None, compile_problem: str) -> str:
+def held_section(level: str, results: dict) -> list[str]:
+    """The training and decoding tables of a run held to `level`, beside the native ones."""
+    env = results["machine_info"].get("fastattn_environment", {})
+    benchmarks = [b for b in results["benchmarks"] if family(b) in ("train_step", "decoding")]
+    lines = [f"## Measured with every library held to {level.upper()}", "",
+             f"`python -m benchmarks.report --isa {level}` on {env.get('device', '?')} "
+             f"(fastattn._C at {env.get('cpu_isa', '?')}; {env.get('held', {})}), "
+             f"{results.get('datetime', '?')[:19].replace('T', ' ')} UTC: the figures an "
+             f"{level.upper()} CPU of this kind would see.", ""]
+    decoding = decoding_summary(benchmarks)
+    if decoding:
+        lines += ["### Decoding against CTranslate2", "", decoding, ""]
+    for section in measured_tables(benchmarks):
+        lines += [section, ""]
+    return lines
+
+
+def render(results: dict, compile_rows: list[dict] | None, compile_problem: str,
+           held: dict[str, dict] | None = None) -> str:
     env = results["machine_info"].get("fastattn_environment", {})
     benchmarks = results["benchmarks"]
     device = env.get("device", "unknown device")
@@ -492,6 +516,8 @@ def render(results: dict, compile_rows: list[dict] | None, compile_problem: str)
         lines += ["### Attention memory as the sequence grows", "", growth, ""]
     for section in measured_tables(benchmarks):
         lines += [section, ""]
+    for level, held_results in (held or {}).items():
+        lines += held_section(level, held_results)
     lines += ["## Projected (not measured): step time on GPUs", "", projection(), ""]
     lines += ["## Static GPU compile report (not measured: compiled, never run)", ""]
     lines += [
@@ -509,6 +535,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--save", type=Path, default=RESULTS, help="where a run writes its JSON")
     parser.add_argument("--output", type=Path, default=OUTPUT, help="the Markdown to write")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny shapes, few rounds")
+    parser.add_argument("--isa", choices=["avx2"],
+                        help="run with every library held to this instruction-set level "
+                             "(FASTATTN_CPU_ISA, ATEN_CPU_CAPABILITY, MKL, oneDNN, CTranslate2) "
+                             "into benchmarks/results_<isa>.json; BENCHMARKS.md shows it beside "
+                             "the native run")
     parser.add_argument(
         "--compile-report",
         type=Path,
@@ -521,6 +552,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
 
+    if args.isa:  # a held run is saved beside the native one and rendered with it
+        held_path = RESULTS.with_name(f"results_{args.isa}.json")
+        code, wall = run_suite(held_path, args.quick, pytest_args, args.isa)
+        if not held_path.exists():
+            sys.exit(f"the benchmark run wrote no results (pytest exit code {code})")
+        args.json = args.json or RESULTS
     if args.json is None:
         code, wall = run_suite(args.save, args.quick, pytest_args)
         if not args.save.exists():
@@ -535,7 +572,9 @@ def main(argv: list[str] | None = None) -> None:
     if not problem and (args.json is None or not args.compile_report.exists()):
         problem = run_compile_report(args.compile_report)
     compile_rows = None if problem else json.loads(args.compile_report.read_text())
-    args.output.write_text(render(results, compile_rows, problem))
+    held = {level: json.loads(path.read_text()) for level in ("avx2",)
+            if (path := RESULTS.with_name(f"results_{level}.json")).exists()}
+    args.output.write_text(render(results, compile_rows, problem, held))
     print(f"wrote {args.output}")
 
 

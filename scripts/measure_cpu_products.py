@@ -18,12 +18,8 @@ import sys
 import time
 from functools import partial
 
-HELD = {  # what each level sets for every library
-    "avx512": {"FASTATTN_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"},
-    "avx2": {"FASTATTN_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2",
-             "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
-}
+from benchmarks.common import HELD_ISA
+
 # (in, out): d512 attention projections, feed-forward in and out, the output layer (vocab 8000);
 # the multi30k preset's d256 / 1024.
 SHAPES = [(512, 512), (512, 2048), (2048, 512), (512, 8000), (256, 256), (256, 1024)]
@@ -75,7 +71,7 @@ def measure(rows_list: list[int]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--levels", nargs="+", default=["avx512", "avx2"], choices=list(HELD))
+    parser.add_argument("--levels", nargs="+", default=["avx512", "avx2"], choices=list(HELD_ISA))
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 256])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -84,7 +80,7 @@ def main() -> None:
         return
     table: dict[tuple, dict] = {}
     for level in args.levels:
-        env = {**os.environ, **HELD[level], "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **HELD_ISA[level], "OMP_NUM_THREADS": "1"}
         out = subprocess.run([sys.executable, "-m", "scripts.measure_cpu_products", "--child",
                               "--rows", *map(str, args.rows)], env=env, capture_output=True,
                              text=True, check=True)

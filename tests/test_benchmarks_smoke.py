@@ -418,3 +418,18 @@ def test_multi_tensor_launches_follow_atens_limits():
     assert count([[meta(65536 * 320)]]) == 1 and count([[meta(65536 * 320 + 1)]]) == 2
     assert count([[meta(65536 * 200), meta(65536 * 200)]]) == 2
     assert count([[meta(0), meta(0)]]) == 0
+
+
+def test_a_run_held_to_avx2_renders_beside_the_native_one():
+    from benchmarks.report import render
+
+    def results(cpu_isa, fastattn_rate):
+        rows = [decoding_row("multi30k", "fp32", 1, "fastattn", 1, 2, fastattn_rate),
+                decoding_row("multi30k", "fp32", 1, "ctranslate2", 1, 2, 4.0)]
+        env = {"device": "Test CPU (2 cores)", "cpu_isa": cpu_isa}
+        return {"machine_info": {"fastattn_environment": env}, "benchmarks": rows}
+
+    text = render(results("avx512", 6.0), None, "left out", {"avx2": results("avx2", 5.0)})
+    native, held = text.split("## Measured with every library held to AVX2")
+    assert "1.50×" in native and "1.25×" not in native
+    assert "fastattn._C at avx2" in held and "1.25×" in held
