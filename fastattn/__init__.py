@@ -1,70 +1,39 @@
-"""fastattn: fused Triton kernels for the Transformer and a faithful model to train and serve it."""
+"""fastattn: fused Triton kernels for the Transformer and a faithful model to train and serve it.
 
-import signal
-import sys
+Each public name is imported from its module on first use (PEP 562): `import fastattn` loads
+nothing else, so the Triton kernels (fastattn.kernels.*) import no other fastattn module and a
+command's entry checks the [mt] extra and catches Ctrl-C (fastattn.cli.starting) before torch.
+"""
 
-
-def _interrupted_while_importing(signum, frame):
-    # Ctrl-C in the seconds `python -m fastattn.COMMAND` spends importing torch: nothing has
-    # started, so nothing is lost: one line, not a traceback through torch's import.
-    print("interrupted", file=sys.stderr)
-    raise SystemExit(128 + signum)
-
-
-_as_command = bool(sys.argv) and sys.argv[0] == "-m"  # python -m fastattn.X imports us first
-if _as_command and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_importing)
-
-from fastattn import _extras, ops  # noqa: E402
-from fastattn._native import cpu_isa, native, set_cpu_isa  # noqa: E402
-from fastattn.backend import get_backend, set_backend  # noqa: E402
-from fastattn.model import PRESETS, Transformer, TransformerConfig  # noqa: E402
-from fastattn.modules import (  # noqa: E402
-    LabelSmoothedCrossEntropy,
-    MultiHeadAttention,
-    ResidualLayerNorm,
-    replace_multihead_attention,
-)
-from fastattn.search import Hypothesis, beam_search, greedy_search  # noqa: E402
-
-if _as_command and signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the command's own handling
-
-# `python -m fastattn.translate` (or another command) without the [mt] extra: one line, exit 1.
-_extras.exit_if_command_lacks_extra()
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
-__all__ = [
-    "PRESETS",
-    "Ensemble",
-    "Hypothesis",
-    "LabelSmoothedCrossEntropy",
-    "MultiHeadAttention",
-    "ResidualLayerNorm",
-    "Transformer",
-    "TransformerConfig",
-    "Translator",
-    "beam_search",
-    "cpu_isa",
-    "get_backend",
-    "greedy_search",
-    "native",
-    "ops",
-    "replace_multihead_attention",
-    "set_backend",
-    "set_cpu_isa",
-]
+
+_MODULES = {
+    "fastattn._native": ("cpu_isa", "native", "set_cpu_isa"),
+    "fastattn.backend": ("get_backend", "set_backend"),
+    "fastattn.ensemble": ("Ensemble",),
+    "fastattn.model": ("PRESETS", "Transformer", "TransformerConfig"),
+    "fastattn.modules": ("LabelSmoothedCrossEntropy", "MultiHeadAttention", "ResidualLayerNorm",
+                         "replace_multihead_attention"),
+    "fastattn.search": ("Hypothesis", "beam_search", "greedy_search"),
+    "fastattn.translate": ("Translator",),
+}
+_HOME = {name: module for module, names in _MODULES.items() for name in names}
+__all__ = sorted([*_HOME, "ops"], key=str.lower)
 
 
-def __getattr__(name: str):
-    # Imported on first use: `python -m fastattn.translate` (and .ensemble) must not find itself
-    # already imported.
-    if name == "Translator":
-        from fastattn.translate import Translator
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        return getattr(importlib.import_module(_HOME[name]), name)
+    try:  # a submodule (fastattn.ops, fastattn.data, ...)
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != f"{__name__}.{name}":
+            raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-        return Translator
-    if name == "Ensemble":
-        from fastattn.ensemble import Ensemble
 
-        return Ensemble
-    raise AttributeError(f"module 'fastattn' has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_HOME])

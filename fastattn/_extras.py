@@ -5,8 +5,8 @@ the packages in MT_PACKAGES. Without them:
 - a library import of a module that needs one (fastattn.data, fastattn.evaluate, ...) raises
   MissingExtraError, an ImportError whose message is one line naming what to install;
 - a command line (`python -m fastattn.translate`, ...) prints that line on stderr and exits with
-  status 1, no traceback: fastattn/__init__.py calls exit_if_command_lacks_extra(), which runs
-  while `python -m` imports the package, before the command's module starts importing.
+  status 1, no traceback: its entry checks with fastattn.cli.starting() before it imports the
+  command's modules.
 
 A module imports an extra's package as
 
@@ -19,7 +19,6 @@ A module imports an extra's package as
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 # Distribution names as pip installs them, with the module each is imported as.
 MT_PACKAGES = {"sentencepiece": "sentencepiece", "sacrebleu": "sacrebleu",
@@ -57,36 +56,3 @@ def missing_packages(packages: dict[str, str] = MT_PACKAGES) -> list[str]:
         if not found:
             missing.append(distribution)
     return missing
-
-
-def _command(argv: list[str]) -> str | None:
-    """The module `python [options] -m MODULE ...` runs, from sys.orig_argv, or None."""
-    args = iter(argv[1:])
-    for arg in args:
-        if arg == "-m":
-            return next(args, None)
-        if arg.startswith("-m"):
-            return arg[2:]
-        if arg in ("-X", "-W", "--check-hash-based-pycs"):
-            next(args, None)  # the option's value
-        elif arg == "-" or arg == "-c" or not arg.startswith("-"):
-            return None  # a script, -c code or stdin
-    return None
-
-
-def exit_if_command_lacks_extra() -> None:
-    """Under `python -m fastattn.COMMAND` (COMMAND in MT_COMMANDS) without every package of the
-    [mt] extra: prints one line on stderr and exits with status 1. Does nothing otherwise, in
-    particular on a library import."""
-    # While `python -m` imports the package of the module it runs, sys.argv[0] is "-m".
-    if not sys.argv or sys.argv[0] != "-m":
-        return
-    command = _command(getattr(sys, "orig_argv", []))
-    if command is None or command.removesuffix(".__main__") not in {
-            f"fastattn.{name}" for name in MT_COMMANDS}:
-        return
-    missing = missing_packages()
-    if missing:
-        print(f"error: {missing_message(command.removesuffix('.__main__'), missing)}",
-              file=sys.stderr)
-        raise SystemExit(1)

@@ -3,17 +3,21 @@ paper averages the last 5 for base models and the last 20 for big ones), or of g
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
-from fastattn.checkpoint import (
-    CheckpointError,
-    average_checkpoints,
-    describe,
-    list_checkpoints,
-    save_checkpoint,
-)
-from fastattn.cli import ArgumentParser, HelpFormatter
+from fastattn.cli import ArgumentParser, HelpFormatter, starting
+
+# As `python -m fastattn.average`: the [mt] extra checked and Ctrl-C caught before torch.
+with starting("average") if __name__ == "__main__" else contextlib.nullcontext():
+    from fastattn.checkpoint import (
+        CheckpointError,
+        average_checkpoints,
+        describe,
+        list_checkpoints,
+        save_checkpoint,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

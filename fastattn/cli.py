@@ -1,12 +1,46 @@
-"""What fastattn's command lines share."""
+"""What fastattn's command lines share. Imports nothing beyond the standard library and
+fastattn._extras: each command's entry (its __main__.py or `python -m` module, and its script in
+pyproject.toml's [project.scripts]) calls starting() before it imports torch."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn, TextIO
+
+from fastattn._extras import MT_COMMANDS, missing_message, missing_packages
+
+
+def _interrupted_while_importing(signum: int, frame: object) -> NoReturn:
+    # Ctrl-C in the seconds a command spends importing torch: nothing has started, so nothing is
+    # lost: one line, not a traceback through torch's import.
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def starting(command: str) -> Iterator[None]:
+    """Around the imports of command line `python -m fastattn.<command>` before it starts: a
+    command of _extras.MT_COMMANDS without every package of the [mt] extra prints one line
+    naming what to install and exits with status 1; Ctrl-C prints one line and exits with status
+    130. After the block Ctrl-C is the command's own (Python's KeyboardInterrupt, or a handler the
+    command installs); a handler installed before (by an embedding program) is left alone."""
+    missing = missing_packages() if command in MT_COMMANDS else []
+    if missing:
+        print(f"error: {missing_message(f'fastattn.{command}', missing)}", file=sys.stderr)
+        raise SystemExit(1)
+    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if ours:
+        signal.signal(signal.SIGINT, _interrupted_while_importing)
+    try:
+        yield
+    finally:
+        if ours and signal.getsignal(signal.SIGINT) is _interrupted_while_importing:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def write_line(text: str, file: TextIO | None = None) -> None:

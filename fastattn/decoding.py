@@ -18,17 +18,19 @@ attention, LayerNorm and the log-softmax stay float32.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from fastattn._native import native
 from fastattn.tokens import check_tokens
 
-if TYPE_CHECKING:  # for annotations only: fastattn.model imports this module
-    from fastattn.model import Transformer, TransformerConfig
+if TYPE_CHECKING:
     from fastattn.search import BeamSearchSetup
+
+# fastattn.model imports this module, so this one names no type of it, not even for annotations:
+# a `model` here is a fastattn.model.Transformer, annotated as the nn.Module it is.
 
 __all__ = ["DECODER_LAYER_SLOTS", "ENCODER_LAYER_SLOTS", "PRECISIONS", "DecodingState",
            "NativeWeights", "check_precision", "encode", "gather_prefixes", "native_beam_search",
@@ -102,7 +104,7 @@ def check_precision(precision: str) -> None:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
 
 
-def native_decoder_supports(model: Transformer, like: Tensor, precision: str = "fp32"
+def native_decoder_supports(model: nn.Module, like: Tensor, precision: str = "fp32"
                             ) -> str | None:
     """None when fastattn._C's decoder computes `model`'s decoder for tensors like `like` (its
     device and dtype) exactly as the Python layers do (fp32), or in int8 or bf16; otherwise the
@@ -125,7 +127,7 @@ def native_decoder_supports(model: Transformer, like: Tensor, precision: str = "
     return None
 
 
-def native_weights(model: Transformer, precision: str = "fp32") -> NativeWeights:
+def native_weights(model: nn.Module, precision: str = "fp32") -> NativeWeights:
     """The model's weights for fastattn._C's encoder and decoder in `precision`: float32 linear
     maps as few-row panels (fastattn::pack_linear_weight; the encoder's run through at::linear
     as they are), int8 ones quantized (fastattn::quantize_linear_weight), bf16 ones as bfloat16
@@ -169,7 +171,7 @@ def native_weights(model: Transformer, precision: str = "fp32") -> NativeWeights
     return weights
 
 
-def _weights_key(model: Transformer) -> tuple:
+def _weights_key(model: nn.Module) -> tuple:
     """Changes when any weight does: in-place updates bump a tensor's _version. A walk of the
     modules' own parameter dicts: Module.parameters() cost a tenth of a batch-1 search."""
     key, modules = [], [model]
@@ -180,7 +182,7 @@ def _weights_key(model: Transformer) -> tuple:
     return tuple(key)
 
 
-def encode(model: Transformer, src: Tensor, weights: NativeWeights | None = None,
+def encode(model: nn.Module, src: Tensor, weights: NativeWeights | None = None,
            ) -> tuple[list[Tensor], list[Tensor], Tensor]:
     """Decoding's start: src (B, S) -> each decoder layer's keys and values of the encoder
     output, (B, h, S, d), and the padding mask (B, 1, 1, S). With `weights` (native_weights:
@@ -200,7 +202,7 @@ def encode(model: Transformer, src: Tensor, weights: NativeWeights | None = None
     return [k for k, _ in pairs], [v for _, v in pairs], mask
 
 
-def native_embedding(model: Transformer, tokens: Tensor, state: DecodingState) -> Tensor:
+def native_embedding(model: nn.Module, tokens: Tensor, state: DecodingState) -> Tensor:
     """The embedded newest tokens (N,) at position state.length, as model.embedding computes
     them (fp32) or from the packed embedding (int8, bf16): transformer_beam_search's op
     sequence."""
@@ -216,7 +218,7 @@ def native_embedding(model: Transformer, tokens: Tensor, state: DecodingState) -
     return x.mul(model.embedding.scale).add(model.embedding.positions(state.length, 1)[0])
 
 
-def native_decode_step(model: Transformer, x: Tensor, state: DecodingState) -> Tensor:
+def native_decode_step(model: nn.Module, x: Tensor, state: DecodingState) -> Tensor:
     """Transformer.decode_step's stack and output projection in fastattn._C for x (N, d_model),
     the embedded newest position (native_decoder_supports(model, x) must be None): the whole
     stack in one call, since a few-row step is dominated by per-op overhead."""
@@ -240,7 +242,7 @@ def native_decode_step(model: Transformer, x: Tensor, state: DecodingState) -> T
                                                  output[0] if output else None).float()
 
 
-def native_beam_search(model: Transformer, state: DecodingState, setup: BeamSearchSetup,
+def native_beam_search(model: nn.Module, state: DecodingState, setup: BeamSearchSetup,
                        bos_id: int, eos_id: int, nbest: int) -> None:
     """Transformer.beam_search as one call of fastattn::transformer_beam_search from a fresh
     `state`; the hypotheses land in `setup` (setup.best(nbest) reads them). The native search
@@ -278,6 +280,19 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) 
         scores = scores + bias
     return torch.matmul(scores.softmax(dim=-1), v)
 
+
+
+class CacheShape(Protocol):
+    """What the self-attention caches' shape takes from a fastattn.model.TransformerConfig."""
+
+    @property
+    def decoder_layers(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def key_dim(self) -> int: ...
+    @property
+    def value_dim(self) -> int: ...
 
 
 class DecodingState:
@@ -323,7 +338,7 @@ class DecodingState:
     def num_sentences(self) -> int:
         return self.memory_k[0].shape[0]
 
-    def start_position(self, rows: int, cfg: TransformerConfig, like: Tensor) -> None:
+    def start_position(self, rows: int, cfg: CacheShape, like: Tensor) -> None:
         """Readies position `length` for `rows` rows: the caches exist (allocated like `like` on
         the first call) and hold it, and history says each row writes its own cache row."""
         if self.self_k is None:
@@ -334,7 +349,7 @@ class DecodingState:
         self.ensure_capacity(self.length + 1)
         self.history[:, self.length] = torch.arange(rows, device=self.history.device)
 
-    def allocate(self, rows: int, cfg: TransformerConfig, like: Tensor) -> None:
+    def allocate(self, rows: int, cfg: CacheShape, like: Tensor) -> None:
         """Creates the caches for the first call: `rows` rows split evenly over the sentences."""
         if rows % self.num_sentences:
             raise ValueError(f"the first decode_step needs a multiple of the {self.num_sentences} "

@@ -18,20 +18,24 @@ From the command line, scoring a translation file (e.g. from python -m fastattn.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 from collections.abc import Sequence
 from functools import cache
 
-from fastattn import data
 from fastattn._extras import MissingExtraError
-from fastattn.cli import ArgumentParser, HelpFormatter
+from fastattn.cli import ArgumentParser, HelpFormatter, starting
 
-try:
-    import sacrebleu
-    from sacremoses import MosesPunctNormalizer, MosesTokenizer
-except ImportError as e:
-    raise MissingExtraError(__name__, e) from None
+# As `python -m fastattn.evaluate`: the [mt] extra checked and Ctrl-C caught before torch.
+with starting("evaluate") if __name__ == "__main__" else contextlib.nullcontext():
+    from fastattn import data
+
+    try:
+        import sacrebleu
+        from sacremoses import MosesPunctNormalizer, MosesTokenizer
+    except ImportError as e:
+        raise MissingExtraError(__name__, e) from None
 
 
 @cache

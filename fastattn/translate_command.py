@@ -19,7 +19,7 @@ from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import CheckpointError
 from fastattn.cli import ArgumentParser, HelpFormatter
 from fastattn.decoding import PRECISIONS
-from fastattn.translate import MAX_SOURCE_LEN, InputError, Translation, Translator
+from fastattn.translate.translator import MAX_SOURCE_LEN, InputError, Translation, Translator
 
 try:
     from tqdm import tqdm

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from fastattn._extras import MT_PACKAGES, MissingExtraError, _command, missing_message
+from fastattn._extras import MT_PACKAGES, MissingExtraError, missing_message
 
 # Stands in for the PathFinder on sys.meta_path, which finds what is installed, and finds nothing
 # of the blocked packages: to importlib (find_spec, import) they are not installed.
@@ -85,7 +85,8 @@ except ImportError as e:
     assert "pip install 'fastattn[mt]'" in result.stdout
 
 
-@pytest.mark.parametrize("command", ["translate"])
+# The commands whose entry checks the extra first (fastattn.cli.starting).
+@pytest.mark.parametrize("command", ["train", "translate", "ensemble", "evaluate", "average"])
 def test_command_says_what_to_install_in_one_line(without_mt, command):
     result = without_mt("-m", f"fastattn.{command}", "--help")
     assert result.returncode == 1
@@ -100,15 +101,3 @@ def test_missing_extra_error_is_an_import_error_with_one_line():
     assert isinstance(error, ImportError) and error.name == "sentencepiece"
     assert str(error) == ("fastattn.data needs the [mt] extra (missing: sentencepiece): "
                           "pip install 'fastattn[mt]'")
-
-
-@pytest.mark.parametrize(("argv", "module"), [
-    (["python", "-m", "fastattn.translate", "-m", "x"], "fastattn.translate"),
-    (["python", "-u", "-X", "dev", "-mfastattn.train"], "fastattn.train"),
-    (["python", "-W", "ignore", "-m", "fastattn.train.__main__"], "fastattn.train.__main__"),
-    (["python", "-c", "import fastattn", "-m", "fastattn.train"], None),
-    (["python", "script.py", "-m", "fastattn.train"], None),
-    (["python"], None),
-])
-def test_command_is_read_from_the_interpreter_arguments(argv, module):
-    assert _command(argv) == module

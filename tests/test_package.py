@@ -2,6 +2,7 @@
 import cycle among its modules, and the command lines' short usage on a bad flag."""
 
 import ast
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ import triton
 
 import fastattn
 from fastattn import backend
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
@@ -57,7 +60,7 @@ print(len(messages)); print(messages[0])
 def test_unknown_backend_is_rejected():
     with pytest.raises(ValueError, match="backend must be one of"):
         fastattn.set_backend("cuda")
-    out = run_python("import fastattn", FASTATTN_BACKEND="fast")
+    out = run_python("import fastattn.ops", FASTATTN_BACKEND="fast")
     assert out.returncode != 0
     assert "backend must be one of ('auto', 'triton', 'torch'), got 'fast'" in out.stderr
 
@@ -95,45 +98,100 @@ except RuntimeError as e:
     assert "needs Triton's interpreter: set TRITON_INTERPRET=1" in out.stdout, out.stderr
 
 
-def module_imports(path: Path, modules: set[str]) -> set[str]:
-    """The fastattn modules a module imports when it is imported: its top-level statements only
-    (imports inside functions, `if TYPE_CHECKING:` or `if __name__ == "__main__":` run later or
-    never). `from fastattn import ops` imports the module fastattn.ops."""
-    imported = set()
-    for node in ast.parse(path.read_text()).body:
+# The packages the import graph covers, as installed (pyproject.toml's package-dir), and the
+# compiled extension, a module with no Python source (csrc/).
+PACKAGES = {"fastattn": REPO / "fastattn", "fastattn.kernels": REPO / "kernels"}
+EXTENSIONS = {"fastattn._C"}
+
+
+def package_modules() -> dict[str, Path]:
+    """Every Python module of PACKAGES by its dotted name (a package by its __init__.py)."""
+    found = {}
+    for prefix, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            parts = path.relative_to(folder).with_suffix("").parts
+            found[".".join((prefix, *parts[:-1 if parts[-1] == "__init__" else None]))] = path
+    return found
+
+
+def module_imports(name: str, path: Path, modules: set[str]) -> dict[str, int]:
+    """The modules of `modules` that module `name` imports, each with the line of its first
+    import: every import statement, at the top, inside functions, under `if TYPE_CHECKING:` or
+    `if __name__ == "__main__":` alike, relative ones resolved. `from fastattn import ops` imports
+    the module fastattn.ops; `from fastattn.model import Transformer` the module fastattn.model
+    (the parent package's __init__, which Python runs first, is no edge: importing the kernels
+    runs only a light one, test_kernels_import_no_other_fastattn_module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    imported: dict[str, int] = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            imported.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            for alias in node.names:
-                submodule = f"{node.module}.{alias.name}"
-                imported.add(submodule if submodule in modules else node.module)
-    return imported & modules
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from . import x, from ..y import z
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *filter(None, [base])])
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:  # import a.b.c where a.b is the module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                imported[target] = min(imported.get(target, node.lineno), node.lineno)
+    return imported
 
 
-def module_name(path: Path, package: Path) -> str:
-    parts = path.relative_to(package.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The cycles a depth-first walk of the graph closes (one per import that leads back to a
+    module on the walk's path), each as the modules along it; none if and only if the graph has
+    no cycle."""
+    cycles, done = [], set()
+    for start in sorted(graph):
+        if start in done:
+            continue
+        path, pending = [start], {start: iter(sorted(graph[start]))}
+        while path:  # depth first; a module met again on the path closes a cycle
+            following = next(pending[path[-1]], None)
+            if following is None:
+                done.add(path.pop())
+            elif following in path:
+                cycles.append(path[path.index(following):] + [following])
+            elif following not in done:
+                path.append(following)
+                pending[following] = iter(sorted(graph[following]))
+    return cycles
 
 
-def test_no_import_cycle_among_fastattn_modules():
-    package = Path(fastattn.__file__).parent
-    paths = {module_name(p, package): p for p in package.rglob("*.py")}
-    graph = {name: module_imports(path, set(paths)) for name, path in paths.items()}
-    done, path = set(), []
+def test_no_import_cycle_in_fastattn_and_kernels():
+    paths = package_modules()
+    modules = set(paths) | EXTENSIONS
+    graph = {name: module_imports(name, path, modules) for name, path in paths.items()}
+    graph.update({name: {} for name in EXTENSIONS})
+    cycles = [" -> ".join(f"{module} (line {graph[module][following]})"
+                          for module, following in itertools.pairwise(cycle)) + f" -> {cycle[-1]}"
+              for cycle in import_cycles(graph)]
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
-    def visit(module: str) -> None:  # depth first; a module met again on the path is a cycle
-        if module in path:
-            raise AssertionError(" -> ".join(path[path.index(module):] + [module]))
-        if module in done:
-            return
-        path.append(module)
-        for imported in sorted(graph[module]):
-            visit(imported)
-        path.pop()
-        done.add(module)
 
-    for module in sorted(graph):
-        visit(module)
+def test_the_import_graph_sees_every_kind_of_import(tmp_path):
+    # The graph test passes only if module_imports misses nothing: each form an import takes.
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from pkg.b import B\n"
+        "def f():\n    from . import c\n"
+        "if __name__ == '__main__':\n    import pkg.d.e\n"
+        "from .d import e as x\n")
+    modules = {"pkg", "pkg.a", "pkg.b", "pkg.c", "pkg.d", "pkg.d.e"}
+    assert module_imports("pkg.a", package / "a.py", modules) == {
+        "pkg.b": 3, "pkg.c": 5, "pkg.d.e": 7}
+    graph = {"pkg.a": {"pkg.b": 1}, "pkg.b": {"pkg.c": 1}, "pkg.c": {"pkg.a": 1, "pkg.d": 1},
+             "pkg.d": {}}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
 
 
 @pytest.mark.parametrize("command", ["fastattn.train", "fastattn.translate", "fastattn.evaluate",
@@ -149,14 +207,20 @@ def test_a_bad_flag_is_a_short_usage_line_and_the_error(command):
     assert lines[-1].startswith(f"python -m {command}: error: ")
 
 
-def test_ctrl_c_while_a_command_imports_torch_is_one_line():
+# The commands whose entry catches Ctrl-C while it imports (fastattn.cli.starting).
+STARTING = ["fastattn.train", "fastattn.translate", "fastattn.ensemble", "fastattn.evaluate",
+            "fastattn.average"]
+
+
+@pytest.mark.parametrize("command", STARTING)
+def test_ctrl_c_while_a_command_imports_torch_is_one_line(command):
     import signal
     import time
 
-    process = subprocess.Popen([sys.executable, "-m", "fastattn.info"], stdout=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, "-m", command], stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
-    # torch's library is mapped early in `import torch`, which fastattn/__init__.py starts after
+    # torch's library is mapped early in `import torch`, which the command's entry starts after
     # installing its handler; the rest of the import takes seconds.
     while "libtorch" not in Path(f"/proc/{process.pid}/maps").read_text():
         assert time.time() < deadline and process.poll() is None
@@ -165,3 +229,78 @@ def test_ctrl_c_while_a_command_imports_torch_is_one_line():
     stdout, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr
     assert stderr.strip() == "interrupted" and stdout == ""
+
+
+def test_importing_fastattn_loads_nothing_and_installs_no_handler():
+    # The commands' entries, not the package, catch Ctrl-C and check the [mt] extra: `import
+    # fastattn` (which `python -m fastattn.X` runs first) has no such side effect.
+    code = """
+import signal, sys
+sys.argv[0] = "-m"  # what the package saw while `python -m` imported it
+import fastattn
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+print(sorted(m for m in sys.modules if m.startswith("fastattn")), "torch" in sys.modules)
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["True", "['fastattn'] False"]
+    mentions = [str(path.relative_to(REPO)) for folder in PACKAGES.values()
+                for path in folder.rglob("*.py") if "orig_argv" in path.read_text()]
+    assert mentions == []
+
+
+def test_kernels_import_no_other_fastattn_module():
+    code = ("import fastattn.kernels.attention, fastattn.kernels.cross_entropy, "
+            "fastattn.kernels.embedding, fastattn.kernels.relu, fastattn.kernels.compile_report, "
+            "sys; print(sorted(m for m in sys.modules if m.startswith('fastattn')))")
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    loaded = eval(out.stdout)
+    assert "fastattn.kernels.attention" in loaded
+    assert [m for m in loaded if m != "fastattn" and not m.startswith("fastattn.kernels")] == []
+
+
+def test_the_public_api_is_there_on_first_use():
+    code = """
+import fastattn
+for name in fastattn.__all__:
+    getattr(fastattn, name)
+print(fastattn.Transformer.__module__, fastattn.ops.__name__, fastattn.Translator.__module__,
+      fastattn.Ensemble.__module__, fastattn.native is not None, fastattn.cpu_isa())
+try:
+    fastattn.no_such_name
+except AttributeError as e:
+    print(e)
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    first, error = out.stdout.splitlines()
+    assert first.split()[:5] == ["fastattn.model", "fastattn.ops", "fastattn.translate.translator",
+                                 "fastattn.ensemble.ensemble", "True"]
+    assert error == "module 'fastattn' has no attribute 'no_such_name'"
+
+
+def test_every_script_runs_its_command():
+    # pyproject.toml's [project.scripts] table, NAME = "MODULE:FUNCTION" a line (tomllib needs
+    # Python 3.11).
+    table = (REPO / "pyproject.toml").read_text().split("[project.scripts]\n")[1].split("\n[")[0]
+    scripts = dict(line.replace('"', "").split(" = ") for line in table.splitlines()
+                   if " = " in line)
+    assert "fastattn-translate" in scripts
+    # A bad flag: each command's parser answers with its usage and status 2, so the entry reached
+    # the command's main (one process: torch loads slowly).
+    code = f"""
+import importlib, sys
+for name, target in {sorted(scripts.items())!r}:
+    module, function = target.split(":")
+    sys.argv = [name, "--no-such-flag"]
+    try:
+        getattr(importlib.import_module(module), function)()
+    except SystemExit as e:
+        print(name, e.code, flush=True)
+"""
+    out = run_python(code)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"{name} 2" for name in sorted(scripts)]
+    for name in scripts:  # fastattn-gpu-check runs python -m fastattn.gpu_check
+        assert f"usage: python -m {name.replace('-', '.', 1).replace('-', '_')}" in out.stderr

@@ -1,5 +1,6 @@
 """Ensembles: Transformers sharing one vocabulary that translate together (not in the paper, which
-reports single models). python -m fastattn.ensemble writes one checkpoint holding several.
+reports single models). python -m fastattn.ensemble (fastattn/ensemble_command.py) writes one
+checkpoint holding several.
 
 The ensemble's next-token distribution is the mean of its M members' distributions,
 
@@ -85,11 +86,3 @@ class Ensemble(torch.nn.Module):
             return self.decode_step(tokens[:, -1], state)
 
         return beam_search(step_fn, src.shape[0], max_len=limits, **options)
-
-
-if __name__ == "__main__":  # python -m fastattn.ensemble: the command reads and writes
-    # checkpoints, and fastattn.checkpoint imports this module to load ensembles, so the
-    # command lives in a module of its own.
-    from fastattn.ensemble_command import main
-
-    main()

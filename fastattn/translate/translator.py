@@ -1,6 +1,6 @@
-"""Translation with a trained checkpoint or a shipped model: `python -m fastattn.translate` and
-fastattn.Translator. This module is the library (Translator); the command line described below
-lives in fastattn/translate_command.py, which `python -m fastattn.translate` runs.
+"""Translation with a trained checkpoint or a shipped model: fastattn.Translator, the library that
+`python -m fastattn.translate` serves. The command line described below lives in
+fastattn/translate_command.py, which fastattn/translate/__main__.py runs.
 
     python -m fastattn.translate (--checkpoint CKPT | --model NAME) [--beam 4] [--alpha A]
         [--max-len-a 1] [--max-len-b 50] [--max-source-len 1024] [--nbest N] [--batch-tokens N]
@@ -49,7 +49,7 @@ from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import load_model
 from fastattn.data import Truecaser
 from fastattn.decoding import check_precision
-from fastattn.ensemble import Ensemble
+from fastattn.ensemble.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.search import LengthPenalty, greedy_search
 from fastattn.workers import Workers, choose
@@ -464,10 +464,3 @@ def _warn(warning: Warning) -> None:
     while frame is not None and frame.f_code.co_filename == __file__:
         level, frame = level + 1, frame.f_back
     warnings.warn(warning, stacklevel=level)
-
-
-if __name__ == "__main__":
-    # The command imports this library, and the library must not import the command.
-    from fastattn.translate_command import main
-
-    main()

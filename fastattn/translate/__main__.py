@@ -1,0 +1,13 @@
+"""python -m fastattn.translate, and the fastattn-translate script."""
+
+from fastattn.cli import starting
+
+
+def main() -> None:
+    with starting("translate"):
+        from fastattn.translate_command import main as translate
+    translate()
+
+
+if __name__ == "__main__":
+    main()
