@@ -40,7 +40,7 @@ def measure(rows_list: list[int]) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    import fastattn  # noqa: F401 - loads fastattn._C
+    import fastattn._native  # noqa: F401 - loads fastattn._C
     ops = torch.ops.fastattn
     torch.set_num_threads(1)
     results = []

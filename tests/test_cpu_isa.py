@@ -31,7 +31,7 @@ def test_the_environment_holds_the_level_at_load(level):
 
 
 def test_an_unknown_level_is_named():
-    out = in_subprocess("import fastattn", "avx3")
+    out = in_subprocess("import fastattn._native", "avx3")
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1] == (
         "ValueError: FASTATTN_CPU_ISA: unknown instruction-set level 'avx3'; expected one of "
