@@ -49,6 +49,7 @@ TORCH_LIBRARY_FRAGMENT(fastattn, m) {
   m.def("cpu_isa() -> str", [] { return fastattn::cpu_isa_name(fastattn::cpu_isa()); });
   m.def("supported_cpu_isa() -> str",
         [] { return fastattn::cpu_isa_name(fastattn::supported_cpu_isa()); });
+  m.def("cpu_isa_limit() -> str", [] { return fastattn::cpu_isa_name(fastattn::cpu_isa_limit()); });
   m.def("set_cpu_isa(str level) -> str", &fastattn::set_cpu_isa);
   m.def("pack_linear_weight_bf16(Tensor weight) -> Tensor");
   m.def("unpack_rows_bf16(Tensor panels, Tensor rows, int dim) -> Tensor");

@@ -27,9 +27,10 @@ CpuIsa parse(const std::string &level) {
               "', expected avx512, avx2 or scalar");
 }
 
-// Held below the CPU's best by FASTATTN_CPU_ISA; an unknown name is reported by fastattn's Python
-// side when it loads the extension (a static initialiser cannot raise).
-CpuIsa initial() {
+// The CPU's best, held lower by FASTATTN_CPU_ISA for the whole process; an unknown name is
+// reported by fastattn's Python side when it loads the extension (a static initialiser cannot
+// raise).
+CpuIsa limit() {
   const CpuIsa best = detect();
   const char *env = std::getenv("FASTATTN_CPU_ISA");
   if (!env || !*env) return best;
@@ -38,7 +39,7 @@ CpuIsa initial() {
   return best;
 }
 
-std::atomic<int> level{static_cast<int>(initial())};
+std::atomic<int> level{static_cast<int>(limit())};
 
 }  // namespace
 
@@ -47,12 +48,17 @@ CpuIsa supported_cpu_isa() {
   return best;
 }
 
+CpuIsa cpu_isa_limit() {
+  static const CpuIsa held = limit();
+  return held;
+}
+
 CpuIsa cpu_isa() { return static_cast<CpuIsa>(level.load(std::memory_order_relaxed)); }
 
 std::string cpu_isa_name(CpuIsa isa) { return kNames[static_cast<int>(isa)]; }
 
 std::string set_cpu_isa(const std::string &name) {
-  level.store(static_cast<int>(std::min(parse(name), supported_cpu_isa())));
+  level.store(static_cast<int>(std::min(parse(name), cpu_isa_limit())));
   return cpu_isa_name(cpu_isa());
 }
 

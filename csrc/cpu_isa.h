@@ -1,6 +1,7 @@
 // The instruction-set levels the native CPU kernels are compiled for, and the one they run at:
-// the best this CPU has, held lower by FASTATTN_CPU_ISA (read when the extension loads) or by
-// set_cpu_isa, so that one machine runs, tests and times every level it supports.
+// the best this CPU has, held lower for the process by FASTATTN_CPU_ISA (read when the extension
+// loads) and within that by set_cpu_isa, so that one machine runs, tests and times every level it
+// supports.
 //
 // A kernel is an always-inlined body compiled once per level by FASTATTN_PER_ISA and chosen on
 // every call by the level in use. GCC's target_clones would pick by the CPU alone, with no way to
@@ -21,11 +22,14 @@ enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 // The best level this CPU runs.
 CpuIsa supported_cpu_isa();
 
+// The best level this process may run: the CPU's, held lower by FASTATTN_CPU_ISA.
+CpuIsa cpu_isa_limit();
+
 // The level the kernels run at now.
 CpuIsa cpu_isa();
 
-// Holds the kernels to `level` or below ("avx512", "avx2", "scalar"); a level above the CPU's
-// runs at the CPU's best. Returns the level in use. An unknown name is an error.
+// Holds the kernels to `level` or below ("avx512", "avx2", "scalar"); a level above the limit
+// runs at the limit. Returns the level in use. An unknown name is an error.
 std::string set_cpu_isa(const std::string &level);
 
 std::string cpu_isa_name(CpuIsa level);

@@ -37,14 +37,15 @@ def cpu_isa() -> str:
 
 
 def supported_cpu_isas() -> tuple[str, ...]:
-    """The levels this CPU runs, lowest first."""
-    best = torch.ops.fastattn.supported_cpu_isa() if native is not None else "scalar"
+    """The levels this process may run, lowest first: up to this CPU's best, or up to the level
+    FASTATTN_CPU_ISA holds the process to."""
+    best = torch.ops.fastattn.cpu_isa_limit() if native is not None else "scalar"
     return CPU_ISA_LEVELS[:CPU_ISA_LEVELS.index(best) + 1]
 
 
 def set_cpu_isa(level: str, source: str = "set_cpu_isa") -> str:
-    """Holds every native CPU kernel to `level` or below (a level above the CPU's runs at the
-    CPU's best), for this process; returns the level in use. FASTATTN_CPU_ISA sets it at load."""
+    """Holds every native CPU kernel to `level` or below, for this process; a level above the
+    CPU's best, or above FASTATTN_CPU_ISA's hold, runs at that. Returns the level in use."""
     if level not in CPU_ISA_LEVELS:
         raise ValueError(f"{source}: unknown instruction-set level {level!r}; expected one of "
                          f"{', '.join(reversed(CPU_ISA_LEVELS))}")

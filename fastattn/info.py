@@ -78,7 +78,7 @@ def _cpu_isa() -> str:
     """The instruction-set level fastattn._C's CPU kernels run at, and why."""
     if fastattn.native is None:
         return "none (fastattn._C not built)"
-    best = _native.supported_cpu_isas()[-1]
+    best = torch.ops.fastattn.supported_cpu_isa()
     level = _native.cpu_isa()
     held = os.environ.get("FASTATTN_CPU_ISA")
     why = f"held by FASTATTN_CPU_ISA={held}" if held else "FASTATTN_CPU_ISA unset"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import fastattn
 from fastattn._native import CPU_ISA_LEVELS, set_cpu_isa, supported_cpu_isas
@@ -26,7 +27,8 @@ def in_subprocess(code: str, level: str) -> subprocess.CompletedProcess:
 def test_the_environment_holds_the_level_at_load(level):
     out = in_subprocess("import fastattn; print(fastattn.cpu_isa())", level)
     assert out.returncode == 0, out.stderr
-    expected = level if level in supported_cpu_isas() else supported_cpu_isas()[-1]
+    best = torch.ops.fastattn.supported_cpu_isa()  # the CPU's, whatever holds this process
+    expected = CPU_ISA_LEVELS[min(CPU_ISA_LEVELS.index(level), CPU_ISA_LEVELS.index(best))]
     assert out.stdout.strip() == expected
 
 
@@ -49,6 +51,14 @@ def test_set_cpu_isa_holds_lower_and_never_above_the_cpu():
             assert got == (level if level in supported_cpu_isas() else supported_cpu_isas()[-1])
     finally:
         set_cpu_isa(before)
+
+
+def test_the_environment_holds_set_cpu_isa_too():
+    """FASTATTN_CPU_ISA=scalar is a hold for the process: set_cpu_isa cannot go above it."""
+    out = in_subprocess("import fastattn\nfrom fastattn._native import supported_cpu_isas\n"
+                        "print(fastattn.set_cpu_isa('avx512'), supported_cpu_isas())", "scalar")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["scalar", "('scalar',)"]
 
 
 def test_info_names_the_level():
