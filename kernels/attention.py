@@ -439,8 +439,8 @@ MODEL_VARIANTS = ("key padding", "key padding+dropout", "causal", "causal+dropou
 #    per warp group (supportMMA in Triton's lib/Analysis/Utility.cpp; below 64 wgmma falls back
 #    to mma.sync): up to head dim 128 such a tile takes 8 warps and at least 64 rows there, its
 #    area per warp kept (the score tile's registers per thread), _warp_group_tile.
-# 3. OVERRIDES: a tile of its own for a variant (or every variant) where step 1 or 2 spilled or
-#    sat at the register cap, each with its reason.
+# 3. OVERRIDES: a tile of its own for a variant (or every variant) on the families named, where
+#    step 1 or 2 spilled or sat at the register cap, each with its reason.
 # 4. Shared memory: the larger block, then stages, are cut until shared_bytes_estimate (an upper
 #    bound, checked against every row of the compile report) fits the family's shared memory
 #    per block (sm_80 163 KB, sm_86/89/120 99 KB, sm_90/100 227 KB).
@@ -467,7 +467,7 @@ _KIB = 1024
 FAMILIES = {  # compute capability (10 x major + minor) -> family (CUDA programming guide)
     80: Family("sm80", 163 * _KIB, 16), 87: Family("sm80", 163 * _KIB, 16),
     86: Family("sm86", 99 * _KIB, 16), 89: Family("sm86", 99 * _KIB, 16),
-    120: Family("sm86", 99 * _KIB, 16), 121: Family("sm86", 99 * _KIB, 16),
+    120: Family("sm120", 99 * _KIB, 16), 121: Family("sm120", 99 * _KIB, 16),
     90: Family("sm90", 227 * _KIB, 64), 100: Family("sm100", 227 * _KIB, 64, 8 * _KIB),
     103: Family("sm100", 227 * _KIB, 64, 8 * _KIB),
 }
@@ -514,14 +514,14 @@ def _warp_group_tile(kernel: str, block_d: int, tile: Tile) -> Tile:
 
 
 class Override(NamedTuple):
-    """Step 3: `tile` for `kernel` at (padded head dim, element size) `entry` on the families
-    whose products take `mma_rows` rows, in `variant` (a VARIANTS name, which stands for its
-    bool and float masks alike: launch_tile tells masks apart only as none, key padding or per
-    query; None: every variant), with exact (IEEE) fp32 products only if `exact`, else in either precision."""
+    """Step 3: `tile` for `kernel` at (padded head dim, element size) `entry` on `families`
+    (Family names) in `variant` (a VARIANTS name, which stands for its bool and float masks
+    alike: launch_tile tells masks apart only as none, key padding or per query; None: every
+    variant), with exact (IEEE) fp32 products only if `exact`, else in either precision."""
 
     kernel: str
     variant: str | None
-    mma_rows: int
+    families: tuple[str, ...]
     entry: tuple[int, int]
     tile: Tile
     exact: bool
@@ -529,52 +529,74 @@ class Override(NamedTuple):
 
 
 HEAVIEST = "mask+causal+dropout"
+MMA_SYNC = ("sm80", "sm86", "sm120")  # the families whose products are mma.sync
+WARP_GROUP = ("sm90", "sm100")  # wgmma, tcgen05
 # Found with `python -m benchmarks.attention_tiles --shipped` (every variant with the launchers'
 # tiles; --dtype fp32 for tf32 products, fp32-exact for IEEE ones). Exact rows come first: they
 # win over a row for the same launch in either precision.
 OVERRIDES = (
-    Override("_attn_fwd", "key padding", 16, (64, 4), (64, 32, 8, 2), True,
+    Override("_attn_fwd", "key padding", MMA_SYNC, (64, 4), (64, 32, 8, 2), True,
              "the 4-warp tile below spilled 152 B in exact products with float masks; 8 warps: "
              "109 registers"),
-    Override("_attn_fwd", "mask", 64, (64, 4), (64, 16, 8, 2), True,
+    Override("_attn_fwd", "mask", WARP_GROUP, (64, 4), (64, 16, 8, 2), True,
              "64 x 32 spilled 32 B in exact products (no tensor cores: no M of 64 to keep); 99"),
-    Override("_attn_fwd", "mask", 64, (128, 4), (32, 16, 8, 2), True,
+    Override("_attn_fwd", "mask", WARP_GROUP, (128, 4), (32, 16, 8, 2), True,
              "64 x 16 spilled 208-280 B in exact products with a mask per query; 32 x 16: "
              "90-106 registers"),
-    Override("_attn_fwd", "mask+dropout", 64, (128, 4), (32, 16, 8, 2), True, "as for mask"),
-    Override("_attn_fwd", "mask+causal", 64, (128, 4), (32, 16, 8, 2), True, "as for mask"),
-    Override("_attn_fwd", HEAVIEST, 64, (128, 4), (32, 16, 8, 2), True, "as for mask"),
-    Override("_attn_bwd_dq", "mask", 16, (32, 2), (64, 32, 8, 3), False,
+    Override("_attn_fwd", "mask+dropout", WARP_GROUP, (128, 4), (32, 16, 8, 2), True,
+             "as for mask"),
+    Override("_attn_fwd", "mask+causal", WARP_GROUP, (128, 4), (32, 16, 8, 2), True, "as for mask"),
+    Override("_attn_fwd", HEAVIEST, WARP_GROUP, (128, 4), (32, 16, 8, 2), True, "as for mask"),
+    Override("_attn_bwd_dq", "mask", MMA_SYNC, (32, 2), (64, 32, 8, 3), False,
              "128 x 32 spilled 8 B with a float mask; 64 x 32: 128 registers"),
-    Override("_attn_bwd_dq", "mask", 16, (64, 2), (64, 32, 8, 3), False,
+    Override("_attn_bwd_dq", "mask", MMA_SYNC, (64, 2), (64, 32, 8, 3), False,
              "128 x 32 sat at the cap (bool and float masks); 64 x 32: 206-254 registers"),
-    Override("_attn_bwd_dq", "mask+dropout", 16, (64, 2), (64, 32, 8, 3), False, "as for mask"),
-    Override("_attn_bwd_dq", HEAVIEST, 16, (64, 2), (64, 32, 8, 3), False, "as for mask"),
-    Override("_attn_bwd_dq", "mask+dropout", 16, (16, 4), (32, 32, 8, 2), False,
+    Override("_attn_bwd_dq", "mask+dropout", MMA_SYNC, (64, 2), (64, 32, 8, 3), False,
+             "as for mask"),
+    Override("_attn_bwd_dq", HEAVIEST, MMA_SYNC, (64, 2), (64, 32, 8, 3), False, "as for mask"),
+    Override("_attn_bwd_dq", "mask+dropout", MMA_SYNC, (16, 4), (32, 32, 8, 2), False,
              "4 warps spilled 8 B in tf32 products"),
-    Override("_attn_bwd_dq", HEAVIEST, 16, (32, 4), (16, 32, 4, 2), False,
+    Override("_attn_bwd_dq", HEAVIEST, MMA_SYNC, (32, 4), (16, 32, 4, 2), False,
              "32 x 32 spilled 8-16 B in exact products"),
-    Override("_attn_bwd_dq", HEAVIEST, 16, (64, 4), (32, 32, 4, 3), False,
+    Override("_attn_bwd_dq", HEAVIEST, MMA_SYNC, (64, 4), (32, 32, 4, 3), False,
              "two stages spilled 8 B at 168 registers with a float mask once dQ checked diagonal "
              "tiles only; three: 186-206, no spill"),
-    Override("_attn_bwd_dq", HEAVIEST, 64, (64, 4), (64, 32, 8, 3), False,
+    Override("_attn_bwd_dq", HEAVIEST, WARP_GROUP, (64, 4), (64, 32, 8, 3), False,
              "two stages spilled 16 B at 128 registers in exact products once dQ checked "
              "diagonal tiles only; three: 133-198 in either precision"),
-    Override("_attn_fwd", HEAVIEST, 16, (64, 2), (64, 64, 8, 3), False,
+    Override("_attn_fwd", HEAVIEST, MMA_SYNC, (64, 2), (64, 64, 8, 3), False,
              "128 x 64 at 254-255 registers; 64 x 64: 230-234"),
-    Override("_attn_fwd", HEAVIEST, 16, (64, 4), (32, 32, 4, 2), False,
+    Override("_attn_fwd", HEAVIEST, MMA_SYNC, (64, 4), (32, 32, 4, 2), False,
              "64 x 32 at 8 warps reached 255 in tf32 products"),
-    Override("_attn_fwd", "mask+dropout", 16, (64, 4), (32, 32, 4, 2), False,
+    Override("_attn_fwd", "mask+dropout", MMA_SYNC, (64, 4), (32, 32, 4, 2), False,
              "64 x 32 at 8 warps reached 255 in tf32 products"),
-    Override("_attn_fwd", "key padding", 16, (64, 4), (64, 32, 4, 2), False,
-             "8 warps spilled 8 B in tf32 products (ptxas held them to 128 registers)"),
-    Override("_attn_fwd", "key padding+causal+dropout", 16, (16, 2), (128, 16, 8, 3), False,
+    Override("_attn_fwd", "key padding", ("sm80", "sm86"), (64, 4), (64, 32, 4, 2), False,
+             "8 warps spilled 8 B in tf32 products (ptxas held them to 128 registers); on sm_120 "
+             "4 warps spilled 16 B and 8 take 166, no spill"),
+    Override("_attn_fwd", "key padding+causal+dropout", MMA_SYNC, (16, 2), (128, 16, 8, 3), False,
              "128 x 32 spilled 8 B (held to 128 registers); 128 x 16: 121, no spill"),
-    Override("_attn_fwd", "key padding+causal+dropout", 16, (32, 4), (64, 32, 4, 2), False,
-             "8 warps spilled 16 B in tf32 products"),
-    Override("_attn_bwd_dkdv", None, 64, (64, 2), (32, 128, 8, 2), False,
+    Override("_attn_fwd", "key padding+causal+dropout", ("sm80", "sm86"), (32, 4),
+             (64, 32, 4, 2), False, "8 warps spilled 16 B in tf32 products; on sm_120 4 warps "
+             "spilled 8 B and 8 take 175, no spill"),
+    Override("_attn_bwd_dkdv", None, WARP_GROUP, (64, 2), (32, 128, 8, 2), False,
              "two warp groups of 64 keys (154-232 registers, no spill): step 2's 32 x 64 was "
              "never compiled against it, and nothing has been timed"),
+    # The families sm_80 and sm_90 never were (python -m fastattn.kernels.compile_report, then
+    # candidates compiled with benchmarks.attention_tiles): one family's ptxas each.
+    Override("_attn_fwd", HEAVIEST, ("sm100", "sm120"), (16, 2), (128, 16, 8, 3), False,
+             "128 x 32 took 255 registers (sm_120) and spilled 224 B (sm_100); 128 x 16: "
+             "102-114, no spill"),
+    Override("_attn_fwd", HEAVIEST, ("sm100",), (32, 2), (128, 32, 8, 2), False,
+             "three stages spilled 8 B at 128 registers; two: 125, no spill"),
+    Override("_attn_fwd", HEAVIEST, ("sm100",), (64, 4), (64, 16, 8, 2), True,
+             "64 x 32 spilled 8 B at 128 registers in exact products; 64 x 16: 128, no spill"),
+    Override("_attn_fwd", HEAVIEST, ("sm86",), (32, 4), (32, 32, 8, 2), True,
+             "64 x 32 spilled 8 B at 128 registers in exact products; 32 x 32: 80, no spill"),
+    Override("_attn_fwd", HEAVIEST, ("sm120",), (128, 4), (32, 16, 8, 2), True,
+             "32 x 32 spilled 8 B at 128 registers in exact products; 32 x 16: 106, no spill"),
+    Override("_attn_bwd_dq", HEAVIEST, ("sm86",), (128, 4), (16, 32, 8, 2), True,
+             "step 4's 32 x 16 spilled 8 B at 80 registers in exact products; 16 x 32: 72, no "
+             "spill"),
 )
 
 
@@ -642,8 +664,8 @@ def _override(kernel: str, block_d: int, element_size: int, fam: Family, *, exac
               **variant) -> Override | None:
     """The first of OVERRIDES for this launch (variant: tile_variant's keywords), or None."""
     return next((o for o in OVERRIDES
-                 if (o.kernel, o.mma_rows, o.entry) == (kernel, fam.mma_rows,
-                                                        (block_d, element_size))
+                 if (o.kernel, o.entry) == (kernel, (block_d, element_size))
+                 and fam.name in o.families
                  and (exact or not o.exact)
                  and (o.variant is None or tile_variant(*VARIANTS[o.variant]) == variant)),
                 None)

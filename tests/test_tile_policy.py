@@ -25,6 +25,7 @@ KIB = 1024
 REPORT = Path(__file__).resolve().parent.parent / "benchmarks" / "compile_report.json"
 HEAD_DIMS = (16, 24, 32, 40, 64, 80, 96, 128, 160, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ARCH_OF = {"sm80": 80, "sm86": 86, "sm120": 120, "sm90": 90, "sm100": 100}  # one of each family
 
 
 def launches():
@@ -44,6 +45,8 @@ def test_families_and_their_shared_memory_per_block():
     assert {family(a).shared_bytes for a in (90, 100)} == {227 * KIB}
     assert {family(a).mma_rows for a in (90, 100)} == {64}
     assert {family(a).mma_rows for a in (80, 86, 89, 120)} == {16}
+    assert {f.name for f in FAMILIES.values()} == set(ARCH_OF)
+    assert all(o.families and set(o.families) <= set(ARCH_OF) for o in OVERRIDES)
     # an architecture not listed takes the closest one below it; Volta and Turing sm_86's
     assert family(88) == family(87) == family(80)
     assert family(110) == family(103) == family(100) and family(122) == family(120)
@@ -93,22 +96,34 @@ def test_warp_group_families_give_every_product_64_rows():
             assert rows % 64 == 0 and warps == 8, (arch, kernel, d, dtype, variant)
 
 
-def test_mma_sync_families_take_sm80s_tiles_where_they_fit():
+def own_override(kernel, d, dtype, arch, variant, precision, like):
+    """Whether the override deciding this launch on arch (if any) is not the one on `like`: a
+    family's override, with its reason, sets their tiles apart."""
+    found = [attention._override(kernel, attention._block_d(d), element_size(dtype), family(a),
+                                 exact=element_size(dtype) == 4 and precision == "ieee",
+                                 **variant) for a in (arch, like)]
+    return found[0] != found[1]
+
+
+def test_other_families_take_sm80s_and_sm90s_tiles_unless_they_do_not_fit_or_spill():
     """sm_86, 89 and 120 compile the same mma.sync products as sm_80 and take its tiles, its
     per-variant overrides included (they took only the per-head-dim tables before), except where
-    sm_80's tile does not fit their 99 KB; sm_100 takes sm_90's everywhere."""
+    sm_80's tile does not fit their 99 KB or an override of their family says why; sm_100 takes
+    sm_90's (it took sm_80's) but for its own overrides."""
     changed = set()
     for kernel, d, dtype, variant, precision in launches():
         ampere = launch_tile(kernel, d, dtype, 80, **variant, precision=precision)
         for arch in (86, 89, 120):
             tile = launch_tile(kernel, d, dtype, arch, **variant, precision=precision)
-            if tile != ampere:
+            if tile != ampere and not own_override(kernel, d, dtype, arch, variant, precision,
+                                                   80):
                 needed = shared_bytes_estimate(kernel, ampere, attention._block_d(d),
                                                element_size(dtype))
                 assert needed > family(arch).shared_bytes, (kernel, d, dtype, variant, arch)
                 changed.add((kernel, attention._block_d(d), element_size(dtype)))
-        assert launch_tile(kernel, d, dtype, 100, **variant, precision=precision) == \
-            launch_tile(kernel, d, dtype, 90, **variant, precision=precision)
+        if not own_override(kernel, d, dtype, 100, variant, precision, 90):
+            assert launch_tile(kernel, d, dtype, 100, **variant, precision=precision) == \
+                launch_tile(kernel, d, dtype, 90, **variant, precision=precision)
     assert ("_attn_bwd_dkdv", 256, 4) in changed
     mask = dict(mask="query", causal=False, dropout=False)
     assert launch_tile("_attn_bwd_dq", 64, torch.float16, 86, **mask) == (64, 32, 8, 3)
@@ -120,7 +135,7 @@ def test_every_override_changes_its_launch_and_says_why(monkeypatch):
     for o in OVERRIDES:
         assert o.why
         block_d, size = o.entry
-        arch = 90 if o.mma_rows == 64 else 80
+        arch = ARCH_OF[o.families[0]]
         variant = tile_variant(*VARIANTS[o.variant or HEAVIEST])
         dtype = torch.float32 if size == 4 else torch.float16
         precision = "ieee" if o.exact else "tf32"
