@@ -1,7 +1,7 @@
 """Registers, spills and tensor-core instructions of the attention kernels for each feature set
-the model launches, at candidate tile sizes, for sm_80 and sm_90: the evidence for choosing block
-tables per variant and per architecture (issue 49 item 2). Compiles only (no GPU); about 3 s per
-compilation on one core the first time (Triton caches them).
+the model launches, at candidate tile sizes, for sm_80 and sm_90 (or any --arch): the evidence
+for choosing tiles per variant and per GPU family (issue 49 item 2; kernels.attention.launch_tile).
+Compiles only (no GPU); about 3 s per compilation on one core the first time (Triton caches them).
 
     python -m benchmarks.attention_tiles [--kernel _attn_bwd_dkdv] [--head-dim 64] [--json PATH]
     python -m benchmarks.attention_tiles --kernel _attn_fwd --head-dim 256 --tile 32 32 4 2

@@ -379,7 +379,7 @@ def compile_summary(rows: list[dict]) -> str:
             str(max(r["registers"] for r in rs)),
             str(sum(r["spill_bytes"] > 0 for r in rs)),
             mebibytes(max(r["shared_bytes"] for r in rs)),
-            f"{sum(r['mma'] or r['wgmma'] for r in rs)}/{len(rs)}",
+            f"{sum(r['mma'] or r['wgmma'] or r.get('tcgen05', False) for r in rs)}/{len(rs)}",
         ]
         for (module, arch), rs in sorted(per.items())
     ]
@@ -393,7 +393,7 @@ def compile_summary(rows: list[dict]) -> str:
             str(r["registers"]),
             str(r["spill_bytes"]),
             mebibytes(r["shared_bytes"]),
-            "wgmma" if r["wgmma"] else "mma" if r["mma"] else "no",
+            next((kind for kind in ("tcgen05", "wgmma", "mma") if r.get(kind)), "no"),
         ]
         for r in rows
     ]

@@ -1,7 +1,9 @@
 """python -m fastattn.gpu_check: fastattn's self-check and benchmark on one CUDA GPU, in at most
 about 9 minutes, with only what such a machine has (CUDA torch and Triton; nothing downloaded).
 
-Stages run in order, each in a process of its own (a crash or a sticky CUDA error ends that
+First a pool of processes (one per CPU core) runs correctness's cases once, so that their kernels
+compile side by side into Triton's disk cache (the warm-up; --warm-workers). Then the stages run
+in order, each in a process of its own (a crash or a sticky CUDA error ends that
 stage only; its stderr goes to <stage>.log under --out) and within its own time budget, which
 the process checks before each case and past which, and GRACE_SECONDS more, it is ended. They
 run case by case: a case that raises fails its own row, and the report (report.json and
@@ -38,15 +40,17 @@ run (Check) that every stage takes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
+import multiprocessing
 import os
 import platform
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
@@ -537,18 +541,71 @@ def compiled_kernels() -> Rows:
 
 
 STAGES: list[tuple[str, Callable[[Check], Cases], float]] = [
-    # Seconds each, 540 in all; the first stages include Triton's compiles (cached on disk).
-    ("environment", environment, 20), ("correctness", correctness, 180),
+    # Seconds each, 540 in all with the warm-up's 60; the first stages include Triton's compiles
+    # (cached on disk, most of correctness's by the warm-up).
+    ("environment", environment, 20), ("correctness", correctness, 120),
     ("determinism", determinism, 30), ("large", large, 30),
     ("attention", attention_speed, 120), ("fused", fused_speed, 40),
     ("training", training, 90), ("decoding", decoding, 20), ("registers", registers, 10),
 ]
-# --quick: these stages only, with these budgets (205 s, and a process start each), for a first
+# --quick: these stages only, with these budgets (205 s with the warm-up's 30, and a process start
+# each), for a first
 # look, a fix and a second look within a GPU lease of 15 minutes: every op's correctness in
 # fp16, bf16 and fp32 at the model's shapes, one speed row per op against SDPA or eager, one
 # graphed training update against the eager one.
-QUICK_BUDGETS = {"environment": 10, "correctness": 105, "attention": 20, "fused": 20,
+QUICK_BUDGETS = {"environment": 10, "correctness": 75, "attention": 20, "fused": 20,
                  "training": 40, "registers": 10}
+
+
+# Before the stages: the cases of WARM_STAGES run once, spread over a pool of processes (one per
+# CPU core: 16 on the GPU machine), their results discarded, so that Triton's JIT compiles their
+# kernels side by side into its disk cache (~/.triton/cache), where the stage's own process finds
+# them (the same cases, hence the same specialisations) instead of compiling them one after the
+# other inside its budget. Best effort: a case that raises is counted (the stage reports it), and
+# the pool is ended at its budget.
+WARM_STAGES = ("correctness",)
+# Seconds, by --quick: taken from correctness's budget, whose compiles it runs ahead (a warm-up
+# cut short keeps every kernel it finished: Triton writes each to its cache as it compiles).
+WARM_BUDGETS = {False: 60.0, True: 30.0}
+
+
+def warm_case(module: str, qualname: str, index: int, device: str, dry_run: bool, quick: bool,
+              out: str) -> str | None:
+    """Runs case `index` of the stage function module.qualname in this process, its rows
+    discarded; returns its error line, or None."""
+    stage = getattr(importlib.import_module(module), qualname)
+    check = Check(torch.device(device), dry_run, Path(out), quick=quick)
+    for i, (_, measure) in enumerate(stage(check)):
+        if i == index:
+            try:
+                measure()
+            except Exception as e:
+                return error_line(e)
+            return None
+    return f"no case {index}"
+
+
+def warm_up(check: Check, stages: Sequence[Callable[[Check], Cases]], workers: int,
+            seconds: float | None) -> dict[str, Any]:
+    """Runs every case of `stages` once on up to `workers` spawned processes (fresh
+    interpreters: no forked CUDA state), ended after `seconds` (None: no limit); what it did,
+    for the report."""
+    start = time.monotonic()
+    units = [(stage.__module__, stage.__qualname__, i, str(check.device), check.dry_run,
+              check.quick, str(check.out))
+             for stage in stages for i, _ in enumerate(stage(check))]
+    workers = max(1, min(workers, len(units)))
+    pool = multiprocessing.get_context("spawn").Pool(workers)
+    try:
+        errors = pool.starmap_async(warm_case, units).get(seconds)
+        status = "ok"
+    except multiprocessing.TimeoutError:
+        errors, status = [], "cut at its time budget"
+    finally:
+        pool.terminate()
+        pool.join()
+    return dict(status=status, cases=len(units), workers=workers,
+                errors=[e for e in errors if e], seconds=time.monotonic() - start)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -653,6 +710,9 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"# fastattn gpu_check: {report.get('device', '?')}", "",
              f"{report.get('started', '')}; dry run: {report.get('dry_run')}; "
              f"command: `{report.get('command', '')}`", ""]
+    if warm := report.get("warm_up"):
+        lines += [f"Warm-up: {warm['status']} in {warm['seconds']:.1f} s, {warm['cases']} cases "
+                  f"on {warm['workers']} processes, {len(warm['errors'])} raised.", ""]
     for name, stage in report.get("stages", {}).items():
         lines += [f"## {name}: {stage['status']} in {stage['seconds']:.1f} s", ""]
         if stage.get("error"):
@@ -696,12 +756,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="every stage at tiny shapes on the CPU, kernels interpreted, "
                              "without time budgets")
     parser.add_argument("--quick", action="store_true",
-                        help=f"the quick profile (budgets of 205 s in all, for 4 minutes): stages "
+                        help=f"the quick profile (budgets of 205 s in all with the warm-up, for 4 "
+                             f"minutes): stages "
                              f"{', '.join(QUICK_BUDGETS)} with fewer cases (QUICK_BUDGETS)")
     parser.add_argument("--stages", help="comma-separated stages to run, in the order above "
                                          "(default: all, or --quick's)")
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiplies every stage's time budget")
+    parser.add_argument("--warm-workers", type=int, default=None, metavar="N",
+                        help="processes that run the cases of "
+                             f"{', '.join(WARM_STAGES)} first, compiling their kernels side by "
+                             "side into Triton's cache (default: one per CPU core; the dry run: "
+                             "0, none)")
     # What run_in_process starts: one stage, until a deadline (seconds since the epoch).
     parser.add_argument("--stage-process", help=argparse.SUPPRESS)
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
@@ -723,6 +789,15 @@ def main(argv: list[str] | None = None) -> None:
                         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                         command=" ".join(["python -m fastattn.gpu_check", *(argv or sys.argv[1:])]),
                         stages={})
+    workers = (0 if args.dry_run else os.cpu_count() or 1) if args.warm_workers is None \
+        else args.warm_workers
+    warm = [stage for name, stage, _ in STAGES if name in WARM_STAGES and name in chosen]
+    if workers > 0 and warm:
+        budget = None if args.dry_run else WARM_BUDGETS[args.quick] * args.budget_scale
+        check.report["warm_up"] = warm_up(check, warm, workers, budget)
+        write_report(check)
+        print(f"gpu_check: warm-up: {check.report['warm_up']['status']} in "
+              f"{check.report['warm_up']['seconds']:.1f} s", flush=True)
     for name, _, budget in STAGES:
         if name not in chosen:
             continue

@@ -20,12 +20,15 @@ PyTorch paths, the reference) is fastattn.ops.attention.
   projection (q, k, v side by side), which then needs no concatenation: the launcher passes
   their rows' width in heads (n·H).
 
-Sections, top to bottom: the Triton kernels, their block-size table, the launchers.
+Sections, top to bottom: the Triton kernels, their tile policy (launch_tile), the launchers.
 """
 
 from __future__ import annotations
 
 import inspect
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -33,7 +36,7 @@ import triton.language as tl
 
 from fastattn.kernels.layer_norm import scalar
 
-MAX_HEAD_DIM = 256  # the widest head the block tables cover
+MAX_HEAD_DIM = 256  # the widest head the tile policy covers
 NO_MASK, BOOL_MASK, FLOAT_MASK = 0, 1, 2
 LOG2E = 1.4426950408889634
 
@@ -404,66 +407,12 @@ def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offse
              mask=(rows < Lq) & (cols < Lk))
 
 
-# ---------------------------------------------------------------------------------------------
-# Block sizes: (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed on the padded head dim and the
-# element size, in the spirit of flash-attn's and the Triton tutorial's tables. Chosen with the
-# compile report so that the heaviest variant (mask + causal + dropout) of every entry up to head
-# dim 128 keeps within 255 registers per thread on sm_80 and sm_90 without spilling:
-# - forward: 128 queries x 64 keys at D = 64 (the paper's head dim); fewer keys per tile below
-#   (a thin Q K^T leaves the score tile, the dropout bits and the mask dominating registers)
-#   and 64 x 32 above, where the (BLOCK_M, D) fp32 accumulator grows (64 x 16 at 256, whose
-#   heaviest variant spilled 64 B on sm_90 at 64 x 32). 8 warps throughout.
-# - dK/dV: two (BLOCK_N, D) fp32 accumulators per program, hence narrower tiles than the dQ
-#   pass, which holds one (BLOCK_M, D) accumulator.
-# - fp32 inputs: half the tiles or less. By default (torch's allow_tf32 off) the exact fp32
-#   product runs on FMA units, with the operands in registers; with tf32 allowed, on tensor
-#   cores. Both compile without spills from the same entries.
-# Hopper has tables of its own (SM90_*, below), which differ where wgmma needs them; see the report.
-# ---------------------------------------------------------------------------------------------
-
-FWD_CONFIGS = {  # (block_d, element size) -> config
-    (16, 2): (128, 32, 8, 3), (32, 2): (128, 32, 8, 3), (64, 2): (128, 64, 8, 3),
-    (128, 2): (64, 32, 8, 3), (256, 2): (64, 16, 8, 2),
-    (16, 4): (64, 32, 8, 2), (32, 4): (64, 32, 8, 2), (64, 4): (64, 32, 8, 2),
-    (128, 4): (32, 32, 8, 2), (256, 4): (32, 32, 8, 1),
-}
-BWD_DKDV_CONFIGS = {
-    (16, 2): (32, 64, 8, 2), (32, 2): (32, 64, 8, 2), (64, 2): (64, 32, 8, 2),
-    (128, 2): (64, 32, 8, 2), (256, 2): (32, 16, 8, 1),
-    (16, 4): (16, 32, 4, 2), (32, 4): (16, 32, 4, 2), (64, 4): (16, 32, 4, 2),
-    (128, 4): (32, 16, 8, 2), (256, 4): (16, 32, 8, 1),
-}
-BWD_DQ_CONFIGS = {
-    (16, 2): (128, 32, 8, 3), (32, 2): (128, 32, 8, 3), (64, 2): (128, 32, 8, 3),
-    (128, 2): (64, 32, 8, 2), (256, 2): (32, 32, 8, 1),
-    (16, 4): (32, 32, 4, 2), (32, 4): (32, 32, 4, 2), (64, 4): (32, 32, 4, 2),
-    (128, 4): (32, 32, 8, 2), (256, 4): (16, 16, 8, 1),
-}
-# dK/dV in 16 bits on Hopper: at head dim 64, 128 keys per program (8 warps form wgmma's 64-row
-# tiles, 32 keys cannot; 154-232 registers, no spill), which sm_80 would need 255 for (8 B spilled
-# in the heaviest variant); at 128, 64 keys (wgmma, 160-236, none), which reach 255 on sm_80, so
-# Ampere takes 32 there (162-226, none). `python -m benchmarks.attention_tiles`; the ranges span
-# the six variants it compiles.
-# float32 (products in tf32) on Hopper: wgmma needs the M of every product (the forward's and
-# dQ's queries, dK/dV's keys) to be a multiple of 64 per warp group (supportMMA in Triton's
-# lib/Analysis/Utility.cpp; below 64 it falls back to mma.sync), which the tables' 16-32 row
-# tiles are not. Transposed tf32 operands do not matter: Triton stores them K-major in shared
-# memory itself. Hence 64 queries (dQ, the forward at 128: 64 x 32 there spilled) and 64 keys
-# (dK/dV, with fewer queries as D grows: 16 queries at 128 spilled, 8 do not), 8 warps: no spill
-# and at most 238 registers in any variant (python -m benchmarks.attention_tiles --shipped
-# --dtype fp32 --arch 90). The forward's entries at 16-64 (64 x 32) are wgmma already.
-SM90_FWD_CONFIGS = {**FWD_CONFIGS, (128, 4): (64, 16, 8, 2)}
-SM90_BWD_DKDV_CONFIGS = {**BWD_DKDV_CONFIGS, (64, 2): (32, 128, 8, 2), (128, 2): (32, 64, 8, 2),
-                         (16, 4): (16, 64, 8, 2), (32, 4): (16, 64, 8, 2),
-                         (64, 4): (16, 64, 8, 2), (128, 4): (8, 64, 8, 2)}
-SM90_BWD_DQ_CONFIGS = {**BWD_DQ_CONFIGS, (16, 4): (64, 32, 8, 2), (32, 4): (64, 32, 8, 2),
-                       (64, 4): (64, 32, 8, 2), (128, 4): (64, 16, 8, 2)}
 # Every feature set the model and the drop-in can launch, as (MASK_KIND, KEY_MASK, CAUSAL,
 # DROPOUT), for the compile checks (benchmarks/attention_tiles.py, tests/test_compile_report.py):
 # no mask, key padding (one row for all queries; bool or float) or a mask per query (bool or
 # float), each with and without causal and dropout. MODEL_VARIANTS are the model's (encoder self
 # and cross attention: key padding; decoder self-attention: causal); compile_configs() compiles
-# HEAVIEST, the one the tables were first sized for.
+# HEAVIEST, the one the tiles were first sized for.
 _MASKS = {"": (NO_MASK, False), "key padding": (BOOL_MASK, True),
           "float key padding": (FLOAT_MASK, True), "mask": (BOOL_MASK, False),
           "float mask": (FLOAT_MASK, False)}
@@ -472,58 +421,254 @@ VARIANTS = {
         (kind, key, causal, dropout)
     for mask, (kind, key) in _MASKS.items() for causal in (False, True) for dropout in (False, True)
 }
-HEAVIEST = "mask+causal+dropout"
 MODEL_VARIANTS = ("key padding", "key padding+dropout", "causal", "causal+dropout")
-# Tiles of one variant on some architectures, where its entry's tile spills or sits at the
-# 255-register cap for it (`python -m benchmarks.attention_tiles --shipped` compiles every
-# variant with the launchers' tiles): (kernel, variant, archs) -> {(block_d, element size): tile}.
-# A variant here stands for its bool and float masks alike (launch_tile tells masks apart only as
-# none, key padding or per query). All are the drop-in's variants on Ampere in 16 bits; the
-# model's four keep the tables' tiles everywhere.
-VARIANT_TILES = {
-    # dQ with a mask per query: 128 x 32 sat at the cap at d = 64 (mask, mask + dropout, the
-    # heaviest; the float ones likewise) and spilled 8 B at d = 32 (float mask); 64 x 32 takes
-    # 206-254 at 64 and 128 at 32, no spill. (mask + causal keeps 128 x 32: 244-248.)
-    ("_attn_bwd_dq", "mask", (70, 80)): {(32, 2): (64, 32, 8, 3), (64, 2): (64, 32, 8, 3)},
-    ("_attn_bwd_dq", "mask+dropout", (70, 80)): {(64, 2): (64, 32, 8, 3), (16, 4): (32, 32, 8, 2)},
-    ("_attn_bwd_dq", HEAVIEST, (70, 80)): {(64, 2): (64, 32, 8, 3), (32, 4): (16, 32, 4, 2),
-                                           (64, 4): (32, 32, 4, 3)},
-    # The forward at d = 64, a mask per query with causal and dropout: 128 x 64 at 254-255;
-    # 64 x 64 takes 230-234.
-    ("_attn_fwd", HEAVIEST, (70, 80)): {(64, 2): (64, 64, 8, 3), (64, 4): (32, 32, 4, 2)},
-    # The forward at d = 16, key padding with causal and dropout: 128 x 32 spilled 8 B (ptxas held
-    # it to 128 registers); 128 x 16 takes 121, no spill.
-    ("_attn_fwd", "key padding+causal+dropout", (70, 80)): {(16, 2): (128, 16, 8, 3),
-                                                            (32, 4): (64, 32, 4, 2)},
-    # float32 (products in tf32) on Ampere, where the shared 8-warp tiles spilled (ptxas held
-    # them to 128 registers) or reached 255 (python -m benchmarks.attention_tiles --shipped
-    # --dtype fp32): the forward at d = 64 with key padding (8 B) and a mask per query with
-    # dropout (255), at d = 32 with key padding, causal and dropout (16 B); dQ at d = 16 with a
-    # mask and dropout (8 B), and at d = 32 with a mask, causal and dropout, where fp32's exact
-    # (IEEE) products spilled 8-16 B (python -m fastattn.kernels.compile_report); at d = 64 with
-    # a float mask, causal and dropout, 32 x 32 in two stages spilled 8 B at 168 registers once
-    # dQ checked diagonal tiles only (three stages: 186-206, no spill). Hopper's float32 tiles
-    # are its own tables' (SM90_*).
-    ("_attn_fwd", "key padding", (70, 80)): {(64, 4): (64, 32, 4, 2)},
-    ("_attn_fwd", "mask+dropout", (70, 80)): {(64, 4): (32, 32, 4, 2)},
-    # Hopper's float32 dQ at d = 64 with a mask per query, causal and dropout: in two stages its
-    # exact (IEEE) products spilled 16 B at 128 registers once dQ checked diagonal tiles only;
-    # three stages take 133-198 registers in either precision, no spill.
-    ("_attn_bwd_dq", HEAVIEST, (90,)): {(64, 4): (64, 32, 8, 3)},
+
+
+# ---------------------------------------------------------------------------------------------
+# Tile policy: (BLOCK_M, BLOCK_N, num_warps, num_stages) for a launch, from launch_tile() alone,
+# keyed on the kernel, the padded head dim, the element size, the variant and the GPU's family
+# (its shared memory per block and the rows its tensor-core products take). Four steps:
+# 1. The mma.sync tile of the heaviest variant (mask + causal + dropout), by head dim
+#    (_MMA_SYNC_TILES): 128 queries x 64 keys at D = 64 (the paper's head dim) in the forward,
+#    fewer keys or queries as the fp32 accumulators grow with D; dK/dV holds two (BLOCK_N, D)
+#    accumulators, hence narrower tiles than dQ's one (BLOCK_M, D); fp32 half the tiles or less.
+#    Sized with ptxas (the compile report) so that every variant up to head dim 128 keeps within
+#    255 registers without spilling on sm_80, as kernels compiled for sm_86/89/120 do too.
+# 2. Families whose products are warp-group instructions (Hopper's wgmma, Blackwell's tcgen05)
+#    need the product's M (the forward's and dQ's queries, dK/dV's keys) to be a multiple of 64
+#    per warp group (supportMMA in Triton's lib/Analysis/Utility.cpp; below 64 wgmma falls back
+#    to mma.sync): up to head dim 128 such a tile takes 8 warps and at least 64 rows there, its
+#    area per warp kept (the score tile's registers per thread), _warp_group_tile.
+# 3. OVERRIDES: a tile of its own for a variant (or every variant) on the families named, where
+#    step 1 or 2 spilled or sat at the register cap, each with its reason.
+# 4. Shared memory: the larger block, then stages, are cut until shared_bytes_estimate (an upper
+#    bound, checked against every row of the compile report) fits the family's shared memory
+#    per block (sm_80 163 KB, sm_86/89/120 99 KB, sm_90/100 227 KB).
+# From now on a tile changes when a GPU timing says so, not from register counts (issue 69).
+# ---------------------------------------------------------------------------------------------
+
+Tile = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+
+
+@dataclass(frozen=True)
+class Family:
+    """GPUs that take the same tiles: the shared memory one block may use (the opt-in maximum,
+    bytes), the rows of a tensor-core product per warp group (16: mma.sync; 64: wgmma or
+    tcgen05), and the shared memory its kernels take beyond shared_bytes_estimate's tiles
+    (sm_100's tcgen05 kernels: up to 8,000 B more, compile report)."""
+
+    name: str
+    shared_bytes: int
+    mma_rows: int
+    staging_bytes: int = 0
+
+
+_KIB = 1024
+FAMILIES = {  # compute capability (10 x major + minor) -> family (CUDA programming guide)
+    80: Family("sm80", 163 * _KIB, 16), 87: Family("sm80", 163 * _KIB, 16),
+    86: Family("sm86", 99 * _KIB, 16), 89: Family("sm86", 99 * _KIB, 16),
+    120: Family("sm120", 99 * _KIB, 16), 121: Family("sm120", 99 * _KIB, 16),
+    90: Family("sm90", 227 * _KIB, 64), 100: Family("sm100", 227 * _KIB, 64, 8 * _KIB),
+    103: Family("sm100", 227 * _KIB, 64, 8 * _KIB),
 }
-# float32 with exact (IEEE) products, PyTorch's default for float32 (allow_tf32 off): FMA loops,
-# no tensor cores, so no M in multiples of 64 to keep on Hopper. Where the tiles above spilled
-# at the cap in the exact products (python -m benchmarks.attention_tiles --dtype fp32-exact):
-# the forward at d = 64 with key padding on Ampere (152 B with float masks; 8 warps: 109
-# registers) and with a mask per query on Hopper (32 B; 64 x 16: 99), at d = 128 with a mask per
-# query on Hopper (208-280 B; 32 x 16: 90-106). These come first for exact products.
-EXACT_FP32_TILES = {
-    ("_attn_fwd", "key padding", (70, 80)): {(64, 4): (64, 32, 8, 2)},
-    ("_attn_fwd", "mask", (90,)): {(64, 4): (64, 16, 8, 2), (128, 4): (32, 16, 8, 2)},
-    ("_attn_fwd", "mask+dropout", (90,)): {(128, 4): (32, 16, 8, 2)},
-    ("_attn_fwd", "mask+causal", (90,)): {(128, 4): (32, 16, 8, 2)},
-    ("_attn_fwd", HEAVIEST, (90,)): {(128, 4): (32, 16, 8, 2)},
+
+
+def family(arch: int) -> Family:
+    """The family of compute capability arch; one not listed takes that of the closest listed
+    below it. Volta and Turing (sm_70, sm_75) are no target: they take sm_86's (Turing's 64 KB
+    of shared memory may not hold the widest heads' tiles)."""
+    known = [a for a in FAMILIES if a <= arch]
+    return FAMILIES[max(known) if known else 86]
+
+
+# Step 1: per (kernel, element size), [(widest padded head dim, tile), ...], narrowest first.
+_MMA_SYNC_TILES = {
+    ("_attn_fwd", 2): [(32, (128, 32, 8, 3)), (64, (128, 64, 8, 3)), (128, (64, 32, 8, 3)),
+                       (256, (64, 16, 8, 2))],  # 64 x 32 at 256 spilled 64 B on sm_90
+    ("_attn_fwd", 4): [(64, (64, 32, 8, 2)), (128, (32, 32, 8, 2)), (256, (32, 32, 8, 1))],
+    ("_attn_bwd_dkdv", 2): [(32, (32, 64, 8, 2)), (128, (64, 32, 8, 2)), (256, (32, 16, 8, 1))],
+    ("_attn_bwd_dkdv", 4): [(64, (16, 32, 4, 2)), (128, (32, 16, 8, 2)), (256, (16, 32, 8, 1))],
+    ("_attn_bwd_dq", 2): [(64, (128, 32, 8, 3)), (128, (64, 32, 8, 2)), (256, (32, 32, 8, 1))],
+    ("_attn_bwd_dq", 4): [(64, (32, 32, 4, 2)), (128, (32, 32, 8, 2)), (256, (16, 16, 8, 1))],
 }
+
+
+def _mma_sync_tile(kernel: str, block_d: int, element_size: int) -> Tile:
+    return next(tile for widest, tile in _MMA_SYNC_TILES[kernel, element_size]
+                if block_d <= widest)
+
+
+def _warp_group_tile(kernel: str, block_d: int, tile: Tile) -> Tile:
+    """Step 2: at least 64 rows in the products' M (dK/dV's keys, else queries) and 8 warps, up
+    to head dim 128 (wider heads keep the mma.sync tile: the (64, D) fp32 accumulators alone
+    would take 64+ registers a thread), the area per warp kept."""
+    block_m, block_n, warps, stages = tile
+    if block_d > 128:
+        return tile
+    area = block_m * block_n * 8 // warps
+    if kernel == "_attn_bwd_dkdv":
+        block_n = max(block_n, 64)
+        return area // block_n, block_n, 8, stages
+    block_m = max(block_m, 64)
+    return block_m, area // block_m, 8, stages
+
+
+class Override(NamedTuple):
+    """Step 3: `tile` for `kernel` at (padded head dim, element size) `entry` on `families`
+    (Family names) in `variant` (a VARIANTS name, which stands for its bool and float masks
+    alike: launch_tile tells masks apart only as none, key padding or per query; None: every
+    variant), with exact (IEEE) fp32 products only if `exact`, else in either precision."""
+
+    kernel: str
+    variant: str | None
+    families: tuple[str, ...]
+    entry: tuple[int, int]
+    tile: Tile
+    exact: bool
+    why: str
+
+
+HEAVIEST = "mask+causal+dropout"
+MMA_SYNC = ("sm80", "sm86", "sm120")  # the families whose products are mma.sync
+WARP_GROUP = ("sm90", "sm100")  # wgmma, tcgen05
+# Found with `python -m benchmarks.attention_tiles --shipped` (every variant with the launchers'
+# tiles; --dtype fp32 for tf32 products, fp32-exact for IEEE ones). Exact rows come first: they
+# win over a row for the same launch in either precision.
+OVERRIDES = (
+    Override("_attn_fwd", "key padding", MMA_SYNC, (64, 4), (64, 32, 8, 2), True,
+             "the 4-warp tile below spilled 152 B in exact products with float masks; 8 warps: "
+             "109 registers"),
+    Override("_attn_fwd", "mask", WARP_GROUP, (64, 4), (64, 16, 8, 2), True,
+             "64 x 32 spilled 32 B in exact products (no tensor cores: no M of 64 to keep); 99"),
+    Override("_attn_fwd", "mask", WARP_GROUP, (128, 4), (32, 16, 8, 2), True,
+             "64 x 16 spilled 208-280 B in exact products with a mask per query; 32 x 16: "
+             "90-106 registers"),
+    Override("_attn_fwd", "mask+dropout", WARP_GROUP, (128, 4), (32, 16, 8, 2), True,
+             "as for mask"),
+    Override("_attn_fwd", "mask+causal", WARP_GROUP, (128, 4), (32, 16, 8, 2), True, "as for mask"),
+    Override("_attn_fwd", HEAVIEST, WARP_GROUP, (128, 4), (32, 16, 8, 2), True, "as for mask"),
+    Override("_attn_bwd_dq", "mask", MMA_SYNC, (32, 2), (64, 32, 8, 3), False,
+             "128 x 32 spilled 8 B with a float mask; 64 x 32: 128 registers"),
+    Override("_attn_bwd_dq", "mask", MMA_SYNC, (64, 2), (64, 32, 8, 3), False,
+             "128 x 32 sat at the cap (bool and float masks); 64 x 32: 206-254 registers"),
+    Override("_attn_bwd_dq", "mask+dropout", MMA_SYNC, (64, 2), (64, 32, 8, 3), False,
+             "as for mask"),
+    Override("_attn_bwd_dq", HEAVIEST, MMA_SYNC, (64, 2), (64, 32, 8, 3), False, "as for mask"),
+    Override("_attn_bwd_dq", "mask+dropout", MMA_SYNC, (16, 4), (32, 32, 8, 2), False,
+             "4 warps spilled 8 B in tf32 products"),
+    Override("_attn_bwd_dq", HEAVIEST, MMA_SYNC, (32, 4), (16, 32, 4, 2), False,
+             "32 x 32 spilled 8-16 B in exact products"),
+    Override("_attn_bwd_dq", HEAVIEST, MMA_SYNC, (64, 4), (32, 32, 4, 3), False,
+             "two stages spilled 8 B at 168 registers with a float mask once dQ checked diagonal "
+             "tiles only; three: 186-206, no spill"),
+    Override("_attn_bwd_dq", HEAVIEST, WARP_GROUP, (64, 4), (64, 32, 8, 3), False,
+             "two stages spilled 16 B at 128 registers in exact products once dQ checked "
+             "diagonal tiles only; three: 133-198 in either precision"),
+    Override("_attn_fwd", HEAVIEST, MMA_SYNC, (64, 2), (64, 64, 8, 3), False,
+             "128 x 64 at 254-255 registers; 64 x 64: 230-234"),
+    Override("_attn_fwd", HEAVIEST, MMA_SYNC, (64, 4), (32, 32, 4, 2), False,
+             "64 x 32 at 8 warps reached 255 in tf32 products"),
+    Override("_attn_fwd", "mask+dropout", MMA_SYNC, (64, 4), (32, 32, 4, 2), False,
+             "64 x 32 at 8 warps reached 255 in tf32 products"),
+    Override("_attn_fwd", "key padding", ("sm80", "sm86"), (64, 4), (64, 32, 4, 2), False,
+             "8 warps spilled 8 B in tf32 products (ptxas held them to 128 registers); on sm_120 "
+             "4 warps spilled 16 B and 8 take 166, no spill"),
+    Override("_attn_fwd", "key padding+causal+dropout", MMA_SYNC, (16, 2), (128, 16, 8, 3), False,
+             "128 x 32 spilled 8 B (held to 128 registers); 128 x 16: 121, no spill"),
+    Override("_attn_fwd", "key padding+causal+dropout", ("sm80", "sm86"), (32, 4),
+             (64, 32, 4, 2), False, "8 warps spilled 16 B in tf32 products; on sm_120 4 warps "
+             "spilled 8 B and 8 take 175, no spill"),
+    Override("_attn_bwd_dkdv", None, WARP_GROUP, (64, 2), (32, 128, 8, 2), False,
+             "two warp groups of 64 keys (154-232 registers, no spill): step 2's 32 x 64 was "
+             "never compiled against it, and nothing has been timed"),
+    # The families sm_80 and sm_90 never were (python -m fastattn.kernels.compile_report, then
+    # candidates compiled with benchmarks.attention_tiles): one family's ptxas each.
+    Override("_attn_fwd", HEAVIEST, ("sm100", "sm120"), (16, 2), (128, 16, 8, 3), False,
+             "128 x 32 took 255 registers (sm_120) and spilled 224 B (sm_100); 128 x 16: "
+             "102-114, no spill"),
+    Override("_attn_fwd", HEAVIEST, ("sm100",), (32, 2), (128, 32, 8, 2), False,
+             "three stages spilled 8 B at 128 registers; two: 125, no spill"),
+    Override("_attn_fwd", HEAVIEST, ("sm100",), (64, 4), (64, 16, 8, 2), True,
+             "64 x 32 spilled 8 B at 128 registers in exact products; 64 x 16: 128, no spill"),
+    Override("_attn_fwd", HEAVIEST, ("sm86",), (32, 4), (32, 32, 8, 2), True,
+             "64 x 32 spilled 8 B at 128 registers in exact products; 32 x 32: 80, no spill"),
+    Override("_attn_fwd", HEAVIEST, ("sm120",), (128, 4), (32, 16, 8, 2), True,
+             "32 x 32 spilled 8 B at 128 registers in exact products; 32 x 16: 106, no spill"),
+    Override("_attn_bwd_dq", HEAVIEST, ("sm86",), (128, 4), (16, 32, 8, 2), True,
+             "step 4's 32 x 16 spilled 8 B at 80 registers in exact products; 16 x 32: 72, no "
+             "spill"),
+)
+
+
+def shared_bytes_estimate(kernel: str, tile: Tile, block_d: int, element_size: int) -> int:
+    """An upper bound on the shared memory a launch of `tile` takes: the tiles each loop
+    iteration loads, once per pipeline stage (the forward and dQ: K and V; dK/dV: Q, dO and
+    their 8-byte lse and Delta per row), plus the operands a warp-group product reads from shared
+    memory once (the forward: Q; dQ: Q and dO; dK/dV: K, V and Q transposed for dK) and the
+    probability and score tiles (two of BLOCK_M x BLOCK_N); a family's staging_bytes come on
+    top. Triton shares buffers whose lives do not overlap, so the compiled kernels take less
+    (tests check every compile report row)."""
+    block_m, block_n, _, stages = tile
+    scores = 2 * block_m * block_n * element_size
+    if kernel == "_attn_bwd_dkdv":
+        looped = 2 * block_m * block_d * element_size + 8 * block_m
+        once = (2 * block_n + block_m) * block_d * element_size
+    else:
+        looped = 2 * block_n * block_d * element_size
+        once = (block_m if kernel == "_attn_fwd" else 2 * block_m) * block_d * element_size
+    return stages * looped + once + scores
+
+
+def _fit_shared(kernel: str, tile: Tile, block_d: int, element_size: int, limit: int) -> Tile:
+    """Step 4: tile with the larger block halved (keys on a tie) down to 16, then fewer stages,
+    until its estimate fits `limit`. Blocks first: dQ at d = 128 in fp32 with one stage instead
+    of two took 255 registers and spilled 240-288 B on sm_86/89/120 (compile report)."""
+    block_m, block_n, warps, stages = tile
+    while shared_bytes_estimate(kernel, (block_m, block_n, warps, stages), block_d,
+                                element_size) > limit:
+        if max(block_m, block_n) > 16:
+            if block_n >= block_m:
+                block_n //= 2
+            else:
+                block_m //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            raise ValueError(f"{kernel}: no tile at head dim {block_d} fits {limit} B")
+    return block_m, block_n, warps, stages
+
+
+def launch_tile(kernel: str, head_dim: int, dtype: torch.dtype, arch: int, *, mask: str,
+                causal: bool, dropout: bool, precision: str | None = None) -> Tile:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the launchers pick for `kernel` ("_attn_fwd",
+    "_attn_bwd_dkdv" or "_attn_bwd_dq") on arch (10 x major + minor) for a variant: mask
+    "none", "key" (one row for every query: key padding) or "query" (a row per query), causal,
+    dropout; precision: the products' ("ieee" or "tf32"; default: what a launch with `dtype`
+    uses now). The tile policy above, steps 1 to 4."""
+    block_d, element_size = _block_d(head_dim), 4 if dtype == torch.float32 else 2
+    fam = family(arch)
+    exact = element_size == 4 and (precision or _dot_precision(dtype)) == "ieee"
+    override = _override(kernel, block_d, element_size, fam, exact=exact, mask=mask,
+                         causal=causal, dropout=dropout)
+    if override is not None:
+        tile = override.tile
+    else:
+        tile = _mma_sync_tile(kernel, block_d, element_size)
+        if fam.mma_rows == 64:
+            tile = _warp_group_tile(kernel, block_d, tile)
+    return _fit_shared(kernel, tile, block_d, element_size,
+                       fam.shared_bytes - fam.staging_bytes)
+
+
+def _override(kernel: str, block_d: int, element_size: int, fam: Family, *, exact: bool,
+              **variant) -> Override | None:
+    """The first of OVERRIDES for this launch (variant: tile_variant's keywords), or None."""
+    return next((o for o in OVERRIDES
+                 if (o.kernel, o.entry) == (kernel, (block_d, element_size))
+                 and fam.name in o.families
+                 and (exact or not o.exact)
+                 and (o.variant is None or tile_variant(*VARIANTS[o.variant]) == variant)),
+                None)
 
 
 def _block_d(head_dim: int) -> int:
@@ -532,43 +677,11 @@ def _block_d(head_dim: int) -> int:
 
 def _sm(x: torch.Tensor) -> int:
     """The compute capability a launch on x runs on, as 10 x major + minor (80 under the
-    interpreter): the block tables differ for 90."""
+    interpreter): launch_tile keys its tiles on it."""
     if not x.is_cuda:
         return 80
     major, minor = torch.cuda.get_device_capability(x.device)
     return 10 * major + minor
-
-
-def _config(table: dict, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    return table[(_block_d(head_dim), 4 if dtype == torch.float32 else 2)]
-
-
-def launch_tile(kernel: str, head_dim: int, dtype: torch.dtype, arch: int, *, mask: str,
-                causal: bool, dropout: bool, precision: str | None = None
-                ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) the launchers pick for `kernel` ("_attn_fwd",
-    "_attn_bwd_dkdv" or "_attn_bwd_dq") on arch (10 x major + minor) for a variant: mask
-    "none", "key" (one row for every query: key padding) or "query" (a row per query), causal,
-    dropout; precision: the products' ("ieee" or "tf32"; default: what a launch with `dtype`
-    uses now). The entry's tile for the architecture, unless a tile for the variant overrides
-    it: EXACT_FP32_TILES for exact products, else VARIANT_TILES."""
-    entry = (_block_d(head_dim), 4 if dtype == torch.float32 else 2)
-    exact = dtype == torch.float32 and (precision or _dot_precision(dtype)) == "ieee"
-    wanted = dict(mask=mask, causal=causal, dropout=dropout)
-    for table in (EXACT_FP32_TILES, VARIANT_TILES) if exact else (VARIANT_TILES,):
-        for (name, variant, archs), tiles in table.items():
-            if (name == kernel and arch in archs and entry in tiles
-                    and tile_variant(*VARIANTS[variant]) == wanted):
-                return tiles[entry]
-    return _table_tile(kernel, entry, arch)
-
-
-def _table_tile(kernel: str, entry: tuple[int, int], arch: int) -> tuple[int, int, int, int]:
-    """The entry's tile in the block tables, for every variant VARIANT_TILES leaves alone."""
-    ampere, hopper = {"_attn_fwd": (FWD_CONFIGS, SM90_FWD_CONFIGS),
-                      "_attn_bwd_dkdv": (BWD_DKDV_CONFIGS, SM90_BWD_DKDV_CONFIGS),
-                      "_attn_bwd_dq": (BWD_DQ_CONFIGS, SM90_BWD_DQ_CONFIGS)}[kernel]
-    return (hopper if arch == 90 else ampere)[entry]
 
 
 def tile_variant(mask_kind: int, key_mask: bool, causal: bool, dropout: bool) -> dict:
@@ -609,61 +722,62 @@ def _kernel_signature(kernel, dtype_name: str, mask_kind: int, head_dim: int) ->
     return signature
 
 
-COMPILE_ARCHS = (70, 80, 90)  # the architectures the compile report compiles for
+COMPILE_ARCHS = (80, 86, 89, 90, 100, 120)  # the architectures the compile report compiles for
 KERNELS = {kernel.__name__: kernel for kernel in (_attn_fwd, _attn_bwd_dkdv, _attn_bwd_dq)}
 
 
 def compile_configs() -> list[dict]:
-    """Every configuration the launchers can pick, for fastattn.kernels.compile_report: each
-    table entry (padded head dim x element size; bf16 shares fp16's tiles, and head dims such as
-    40, 80, 96 their padded entry's; fp32 both exact and with tf32 allowed) for the forward, both
-    backward passes, each kernel in its heaviest variant (the one the tables
-    were sized for, not always the one with the most registers: docs/benchmark-notes.md), and
-    each VARIANT_TILES tile (and, with exact products, EXACT_FP32_TILES tile) in its own
-    variant. A tile only some architectures launch names them in "archs" (and, unless it is the
-    entry's own, its name says "smNN-tile" or "variant-tile")."""
+    """Every configuration the launchers can pick on COMPILE_ARCHS, for
+    fastattn.kernels.compile_report: for each (padded head dim, element size) (bf16 shares
+    fp16's tiles, and head dims such as 40, 80, 96 their padded entry's; fp32 both exact and with
+    tf32 allowed), each kernel in its heaviest variant, once per distinct tile, and in each
+    variant with an override of its own on the architectures it applies to. A tile only some
+    architectures launch names them in "archs", and its name says so: "smNN-tile" (NN: the first
+    of them) for the heaviest variant's tile where it is not step 1's, "variant-tile" for an
+    override of another variant."""
     precisions = {2: [("fp16", "tf32")], 4: [("fp32", "ieee"), ("fp32 tf32", "tf32")]}
     configs = []
-    for block_d, element_size in FWD_CONFIGS:
+    for block_d, element_size in itertools.product((16, 32, 64, 128, MAX_HEAD_DIM), (2, 4)):
         dtype = torch.float16 if element_size == 2 else torch.float32
         for label, precision in precisions[element_size]:
-            dtype_name = label.split()[0]
-            for kernel in KERNELS.values():
-                base = _table_tile(kernel.__name__, (block_d, element_size), 80)
-                by_tile: dict[tuple, list[int]] = {}
+            for name, kernel in KERNELS.items():
+                def tile_of(variant, arch, name=name, block_d=block_d, dtype=dtype,
+                            precision=precision):
+                    return launch_tile(name, block_d, dtype, arch,
+                                       **tile_variant(*VARIANTS[variant]), precision=precision)
+
+                by_tile: dict[Tile, list[int]] = {}
                 for arch in COMPILE_ARCHS:
-                    tile = launch_tile(kernel.__name__, block_d, dtype, arch, mask="query",
-                                       causal=True, dropout=True, precision=precision)
-                    by_tile.setdefault(tile, []).append(arch)
+                    by_tile.setdefault(tile_of(HEAVIEST, arch), []).append(arch)
                 for tile, archs in by_tile.items():
-                    suffix = "" if tile == base else f" sm{max(archs)}-tile"
+                    own = tile == _mma_sync_tile(name, block_d, element_size)
                     configs.append(_compile_config(
-                        kernel, block_d, label, dtype_name, precision, HEAVIEST, tile,
-                        f"mask+causal+dropout{suffix}",
+                        kernel, block_d, label, precision, HEAVIEST, tile,
+                        HEAVIEST if own else f"{HEAVIEST} sm{archs[0]}-tile",
                         archs if len(by_tile) > 1 else None))
-            tables = (EXACT_FP32_TILES, VARIANT_TILES) if precision == "ieee" else (VARIANT_TILES,)
-            for table in tables:
-                for (name, variant, archs), tiles in table.items():
-                    tile = tiles.get((block_d, element_size))
-                    if tile is None or variant == HEAVIEST:
-                        continue
-                    keywords = tile_variant(*VARIANTS[variant])
-                    launched = [arch for arch in archs if tile == launch_tile(
-                        name, block_d, dtype, arch, **keywords, precision=precision)]
-                    if launched:  # (an exact-product tile may override a variant tile)
-                        configs.append(_compile_config(
-                            KERNELS[name], block_d, label, dtype_name, precision, variant, tile,
-                            f"{variant} variant-tile", launched))
+                variants = dict.fromkeys(
+                    o.variant for o in OVERRIDES if o.variant not in (None, HEAVIEST)
+                    and (o.kernel, o.entry) == (name, (block_d, element_size)))
+                for variant in variants:
+                    by_tile = {}
+                    for arch in COMPILE_ARCHS:
+                        if _override(name, block_d, element_size, family(arch),
+                                     exact=precision == "ieee",
+                                     **tile_variant(*VARIANTS[variant])):
+                            by_tile.setdefault(tile_of(variant, arch), []).append(arch)
+                    configs += [_compile_config(kernel, block_d, label, precision, variant, tile,
+                                                f"{variant} variant-tile", archs)
+                                for tile, archs in by_tile.items()]
     return configs
 
 
-def _compile_config(kernel, block_d: int, label: str, dtype_name: str, precision: str,
-                    variant: str, tile: tuple, description: str, archs) -> dict:
+def _compile_config(kernel, block_d: int, label: str, precision: str, variant: str, tile: Tile,
+                    description: str, archs) -> dict:
     mask_kind, key_mask, causal, dropout = VARIANTS[variant]
     block_m, block_n, num_warps, num_stages = tile
     config = dict(
         name=f"{kernel.__name__} d={block_d} {label} {description}", fn=kernel,
-        signature=_kernel_signature(kernel, dtype_name, mask_kind, block_d),
+        signature=_kernel_signature(kernel, label.split()[0], mask_kind, block_d),
         constexprs=dict(HEAD_DIM=block_d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n,
                         MASK_KIND=mask_kind, KEY_MASK=key_mask, CAUSAL=causal, DROPOUT=dropout,
                         DOT_PRECISION=precision),

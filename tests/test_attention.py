@@ -211,11 +211,11 @@ def test_dropout_forward_and_backward_use_one_mask(lq, lk, d, causal, mask):
                              dropout_keep=keep, grad_out=grad_out, atol=2e-5)
 
 
-# Each variant with a tile of its own (kernels.attention.VARIANT_TILES), with bool and float
-# masks (a variant's tile stands for both), at the head dims it has one for.
+# Each variant with a 16-bit tile of its own on Ampere (kernels.attention.OVERRIDES), with bool
+# and float masks (a variant's tile stands for both), at the head dims it has one for.
 VARIANT_TILE_CASES = list(dict.fromkeys(
-    (kind + variant, block_d) for (_, variant, _), tiles in kernels.VARIANT_TILES.items()
-    for kind in ("", "float ") for block_d, element_size in tiles if element_size == 2))
+    (kind + o.variant, o.entry[0]) for o in kernels.OVERRIDES
+    if o.variant and "sm80" in o.families and o.entry[1] == 2 for kind in ("", "float ")))
 MASK_OF_VARIANT = {(kernels.BOOL_MASK, True): "key_padding",
                    (kernels.BOOL_MASK, False): "bool_full", (kernels.FLOAT_MASK, False): "float"}
 
@@ -659,7 +659,7 @@ def test_hopper_dkdv_tile_gives_the_same_gradients(seeded, monkeypatch, causal):
                                               (128, True, False), (128, True, True)])
 def test_hopper_exact_float32_tiles_give_the_reference(seeded, monkeypatch, d, causal, dropout):
     """The forward tiles Hopper launches for float32 with exact products and a float mask per
-    query (kernels.attention.EXACT_FP32_TILES: 64 x 16 at d = 64, 32 x 16 at d = 128), run here
+    query (kernels.attention.OVERRIDES: 64 x 16 at d = 64, 32 x 16 at d = 128), run here
     by pretending to be sm_90, all gradients against the fp64 reference."""
     from fastattn.kernels import attention as kernels
 

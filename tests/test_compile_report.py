@@ -1,9 +1,10 @@
 """fastattn.kernels.compile_report: the representative subset of the shipped kernel configurations
 (--subset: every kernel at least once, attention's fp16 tiles at head dims 64 and 128) compiles for
 sm_80 and sm_90 (Triton's bundled ptxas, no GPU needed), and attention's configurations for head
-dims up to 128 spill no registers. FASTATTN_COMPILE_REPORT=full checks every configuration
-instead (minutes on 2 cores the first time; Triton's cache, ~/.triton/cache, makes later runs
-fast), as `python -m fastattn.kernels.compile_report` reports them."""
+dims up to 128 spill no registers; a smaller one (--family-subset) for the other tile families,
+sm_86, 100 and 120, within their shared memory. FASTATTN_COMPILE_REPORT=full checks every
+configuration instead (minutes on 2 cores the first time; Triton's cache, ~/.triton/cache,
+makes later runs fast), as `python -m fastattn.kernels.compile_report` reports them."""
 
 import importlib
 import json
@@ -25,6 +26,9 @@ from fastattn.kernels.compile_report import (
 )
 
 ARCHS = (80, 90)
+# The other tile families' architectures CI compiles: sm_89's attention rows equal sm_86's in the
+# full report (python -m fastattn.kernels.compile_report), so CI leaves it to that sweep.
+OTHER_FAMILIES = (86, 100, 120)
 FULL = os.environ.get("FASTATTN_COMPILE_REPORT") == "full"
 # Triton 3.6.0, the GPU machine's image's, beside the venv's own (./run test installs it there).
 TRITON_36 = Path(sys.prefix) / "triton-3.6.0"
@@ -134,10 +138,10 @@ def test_hopper_dkdv_at_head_dims_64_and_128_runs_on_wgmma(report, head_dim):
 
 
 def test_exact_float32_products_take_their_own_tiles_first():
-    """launch_tile: float32 with exact (IEEE) products, torch's default, reads EXACT_FP32_TILES
-    before VARIANT_TILES and the tables; with tf32 products, and in 16 bits, they do not apply.
-    Hopper's forward at d = 128 with a mask per query: the tf32 tile spilled 208-280 B in exact
-    products (docs/benchmark-notes.md)."""
+    """launch_tile: float32 with exact (IEEE) products, torch's default, takes the exact
+    overrides before the others and the policy's steps; with tf32 products, and in 16 bits, they
+    do not apply. Hopper's forward at d = 128 with a mask per query: the tf32 tile spilled
+    208-280 B in exact products (docs/benchmark-notes.md)."""
     import torch
 
     query_mask = dict(mask="query", causal=True, dropout=True)
@@ -145,18 +149,49 @@ def test_exact_float32_products_take_their_own_tiles_first():
                                   precision="ieee")
     tf32 = attention.launch_tile("_attn_fwd", 128, torch.float32, 90, **query_mask,
                                  precision="tf32")
-    assert exact == attention.EXACT_FP32_TILES[("_attn_fwd", attention.HEAVIEST, (90,))][(128, 4)]
-    assert tf32 == attention.SM90_FWD_CONFIGS[(128, 4)] != exact
+    assert exact == (32, 16, 8, 2) and tf32 == (64, 16, 8, 2)  # wgmma's 64 queries
     # the default follows torch's setting, as the kernels' DOT_PRECISION does
     assert attention.launch_tile("_attn_fwd", 128, torch.float32, 90, **query_mask) == exact
     assert attention.launch_tile("_attn_fwd", 128, torch.float16, 90, **query_mask,
-                                 precision="ieee") == attention.SM90_FWD_CONFIGS[(128, 2)]
-    # a variant tile for Ampere's key padding: exact products 8 warps, tf32 4 (VARIANT_TILES)
+                                 precision="ieee") == (64, 32, 8, 3)
+    # a variant tile for Ampere's key padding: exact products 8 warps, tf32 4 (OVERRIDES)
     key = dict(mask="key", causal=False, dropout=False)
     assert attention.launch_tile("_attn_fwd", 64, torch.float32, 80, **key,
                                  precision="ieee") == (64, 32, 8, 2)
     assert attention.launch_tile("_attn_fwd", 64, torch.float32, 80, **key,
                                  precision="tf32") == (64, 32, 4, 2)
+
+
+@pytest.mark.slow
+def test_other_families_compile_within_their_shared_memory(tmp_path):
+    """--family-subset for sm_86, 100 and 120 (attention in its heaviest variant at head
+    dims 64 and 128 in fp16, and the fp32 dK/dV at 256 with tf32 products, sm_80's 114,688 B of
+    which sm_86/89/120 do not have): every configuration those architectures launch compiles,
+    within the family's shared memory per block (attention.family), no spill nor the register
+    cap at d <= 128, and there the products on tensor cores: mma.sync on sm_86/120, tcgen05 on
+    sm_100 (FAMILY_SUBSET keeps this to a few compilations per family)."""
+    if not os.path.exists(_cuobjdump()):
+        pytest.skip("Triton's bundled NVIDIA tools (ptxas, cuobjdump) are not installed")
+    path = tmp_path / "report.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-m", "fastattn.kernels.compile_report", "--arch",
+                    *map(str, OTHER_FAMILIES), "--family-subset", "--jobs", "2", "--json",
+                    str(path)], env=env, check=True, timeout=1800, capture_output=True)
+    rows = json.loads(path.read_text())
+    configs = attention.compile_configs()
+    expected = {(configs[i]["name"], arch)
+                for i in subset_indices(attention.__name__, configs, family=True)
+                for arch in OTHER_FAMILIES
+                if arch in configs[i].get("archs", OTHER_FAMILIES)}
+    assert {(r["name"], r["arch"]) for r in rows} == expected
+    assert {r["arch"] for r in rows} == set(OTHER_FAMILIES)
+    assert any("d=256" in r["name"] for r in rows)
+    assert [(r["name"], r["arch"], r["shared_bytes"]) for r in rows
+            if r["shared_bytes"] > attention.family(r["arch"]).shared_bytes] == []
+    assert [(r["name"], r["arch"], r["registers"], r["spill_bytes"]) for r in rows
+            if "d=256" not in r["name"] and (r["spill_bytes"] or r["registers"] >= 255)] == []
+    assert [(r["name"], r["arch"]) for r in rows if "d=256" not in r["name"]
+            and not (r["tcgen05"] if r["arch"] == 100 else r["mma"] and not r["wgmma"])] == []
 
 
 @pytest.mark.slow
@@ -273,7 +308,7 @@ def test_table_lists_every_column():
                          wgmma=False)
     header, rule, line = format_table([row]).splitlines()
     assert header.split() == ["kernel", "configuration", "sm", "warps", "stages", "regs",
-                              "spill", "B", "smem", "B", "mma", "wgmma"]
+                              "spill", "B", "smem", "B", "mma", "wgmma", "tcgen05"]
     assert set(rule) <= {"-", " "}
     assert line.split() == ["_k", "d=64", "fp16", "80", "4", "3", "128", "0", "32768", "yes",
-                            "no"]
+                            "no", "no"]

@@ -3,8 +3,10 @@ Triton's interpreter) passes and writes its report; a failed row fails the check
 
 import ast
 import json
+import os
 import subprocess
 import sys
+import time
 import types
 from functools import partial
 
@@ -262,5 +264,62 @@ def test_quick_runs_each_stages_essentials(tmp_path):
     assert cases["attention"] == ["fastattn L=64 D=16 causal=False", "sdpa L=64 D=16 causal=False"]
     assert len(cases["fused"]) == 6  # three ops, each against eager
     assert cases["training"] == ["--cuda-graphs updates = launch_step's"]
-    assert sum(gpu_check.QUICK_BUDGETS.values()) + 5 * len(gpu_check.QUICK_BUDGETS) <= 240
+    # the stages, the warm-up, and five seconds to start each process (the warm-up's pool too)
+    assert sum(gpu_check.QUICK_BUDGETS.values()) + gpu_check.WARM_BUDGETS[True] \
+        + 5 * (len(gpu_check.QUICK_BUDGETS) + 1) <= 240
     assert "--quick" in gpu_check.stage_command(check, "training", None)
+
+
+def mark(out, index):
+    """A warm-up case: writes the id of the process that ran it to a file of its own."""
+    (out / f"case{index}").write_text(str(os.getpid()))
+    return []
+
+
+def raise_value_error():
+    raise ValueError("a case that fails")
+
+
+def warm_stage(check):
+    """A stage for warm_up's spawned processes, which import it from this module by name."""
+    for index in range(4):
+        yield f"case {index}", partial(mark, check.out, index)
+    yield "raises", raise_value_error
+    if (check.out / "hang").exists():
+        yield "hangs", partial(time.sleep, 600)
+
+
+def test_the_warm_up_runs_each_case_once_in_a_pool_of_processes(tmp_path):
+    """warm_up: every case of the stages runs once, in processes other than this one, at most
+    `workers` of them; a case that raises is counted, not fatal."""
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    done = gpu_check.warm_up(check, [warm_stage], workers=2, seconds=None)
+    assert (done["status"], done["cases"], done["workers"]) == ("ok", 5, 2)
+    assert done["errors"] == ["ValueError: a case that fails"]
+    pids = {int((tmp_path / f"case{index}").read_text()) for index in range(4)}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2
+
+
+def test_the_warm_up_is_ended_at_its_budget(tmp_path):
+    """A case that hangs does not hold the check: the pool is ended after `seconds`."""
+    check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
+    (tmp_path / "hang").touch()
+    start = time.monotonic()
+    done = gpu_check.warm_up(check, [warm_stage], workers=2, seconds=5.0)
+    assert done["status"] == "cut at its time budget" and done["cases"] == 6
+    assert time.monotonic() - start < 60
+
+
+def test_a_warm_up_case_runs_the_real_stages_case(tmp_path):
+    """warm_case finds a real stage by module and name and runs the case it is given (the dry
+    run's first correctness case: self-attention with key padding), its rows discarded; the
+    check's command line starts the pool before the stages (--warm-workers, off in the dry
+    run: the CI runs its stages, not twice)."""
+    assert gpu_check.warm_case(gpu_check.correctness.__module__, "correctness", 0, "cpu", True,
+                               True, str(tmp_path)) is None
+    assert gpu_check.warm_case(gpu_check.correctness.__module__, "correctness", 99, "cpu", True,
+                               True, str(tmp_path)) == "no case 99"
+    assert gpu_check.WARM_STAGES == ("correctness",)
+    assert "--warm-workers" in subprocess.run(
+        [sys.executable, "-m", "fastattn.gpu_check", "--help"], capture_output=True, text=True,
+        timeout=300).stdout
