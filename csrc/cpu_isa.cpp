@@ -80,13 +80,4 @@ bool use_avx512_bf16() {
 #endif
 }
 
-bool use_avx_vnni() {
-#ifdef FASTATTN_X86
-  static const bool has = __builtin_cpu_supports("avxvnni");
-  return has && cpu_isa() >= CpuIsa::kAvx2;
-#else
-  return false;
-#endif
-}
-
 }  // namespace fastattn

@@ -34,11 +34,10 @@ std::string set_cpu_isa(const std::string &level);
 
 std::string cpu_isa_name(CpuIsa level);
 
-// Extensions within the AVX-512 level, and AVX-VNNI (VEX) within AVX2's: true only when the CPU
-// has them and the level in use includes them.
+// Extensions within the AVX-512 level: true only when the CPU has them and the level in use is
+// AVX-512.
 bool use_avx512_vnni();
 bool use_avx512_bf16();
-bool use_avx_vnni();
 
 }  // namespace fastattn
 
