@@ -3,9 +3,9 @@ comparability, the same weights in both systems, Multi30k test2016 sources.
 
 Every cell is (model, precision, batch size) and times each system in each of its
 configurations of the CPU's cores, decoding the same batches:
-- fastattn: Transformer.beam_search (the translator's path: on CPU the cached decoder and the
+- fastattn: fastattn.Decoder.beam_search (the translator's path: on CPU the cached decoder and the
   search in one native call), as 1 worker x all cores' threads, and as one worker per core with
-  one thread each (fastattn.workers.Workers, several batches at once);
+  one thread each (fastattn.inference.workers.Workers, several batches at once);
 - CTranslate2 (the model converted by fastattn.ctranslate2_convert): inter_threads=1 x
   intra_threads=cores, and inter_threads=cores x intra_threads=1, every batch submitted
   asynchronously so that its workers decode at once.
@@ -25,7 +25,7 @@ alone (fastattn only, fp32); otherwise the ensemble is the model twice.
 
 Precisions: fp32 against CTranslate2's float32, int8 against its int8 (fastattn's
 `precision="int8"`), bf16 against its bfloat16; fastattn's cells run for the precisions
-fastattn.decoding.PRECISIONS lists, CTranslate2's for those it supports on this CPU
+fastattn.inference.native.PRECISIONS lists, CTranslate2's for those it supports on this CPU
 (ctranslate2.get_supported_compute_types). Each row records the CPU time other processes took
 while it ran (the machine's busy time in /proc/stat less this process's own, which holds every
 worker and CTranslate2 thread): CTranslate2's OpenMP threads collapse when another process
@@ -56,12 +56,13 @@ import pytest
 import torch
 
 from benchmarks.common import CORES, QUICK, measure
-from fastattn import data, decoding, pretrained
+from fastattn import data
 from fastattn.checkpoint import load_model
-from fastattn.ensemble import Ensemble
+from fastattn.inference import native, pretrained
+from fastattn.inference.ensemble import Ensemble, decoder_of
+from fastattn.inference.search import beam_search_step_python
+from fastattn.inference.workers import Workers, choose
 from fastattn.model import Transformer
-from fastattn.search import beam_search_step_python
-from fastattn.workers import Workers, choose
 
 BEAM, ALPHA = 4, 0.6
 MAX_LEN = 8 if QUICK else 40
@@ -74,7 +75,7 @@ CONFIGS = sorted({(1, CORES), (CORES, 1)})
 # fastattn's name of a precision -> CTranslate2's compute_type.
 COMPUTE_TYPES = {"fp32": "float32", "int8": "int8", "bf16": "bfloat16"}
 
-SHIPPED = "multi30k-en-de"  # fastattn.pretrained's name of the multi30k model
+SHIPPED = "multi30k-en-de"  # fastattn.inference.pretrained's name of the multi30k model
 
 
 @dataclass
@@ -127,13 +128,13 @@ def padded(model: Model, batch: list[list[int]]) -> torch.Tensor:
 
 
 def fastattn_decoder(model: Model, precision: str, beam: int = BEAM, ensemble: bool = False):
-    """One batch through the product's path (fastattn.Translator's): Transformer.beam_search,
-    one native call (an Ensemble's: fastattn.beam_search over its members' cached steps)."""
-    decoder = model.ensemble if ensemble else model.model
+    """One batch through the product's path (fastattn.Translator's): Decoder.beam_search, one
+    native call (an Ensemble's: fastattn.beam_search over its members' cached steps)."""
+    decoder = decoder_of(model.ensemble if ensemble else model.model, precision)
     def decode(batch):
         return decoder.beam_search(padded(model, batch), beam_size=beam, bos_id=model.sp.bos_id(),
                                    eos_id=model.sp.eos_id(), max_len=MAX_LEN + 1, alpha=ALPHA,
-                                   length_penalty="pow", precision=precision)
+                                   length_penalty="pow")
 
     return decode
 
@@ -241,8 +242,8 @@ def timed(benchmark, decode_all, batches, *, group: str, model: Model,
 @pytest.mark.parametrize("name", MODELS)
 def test_decoding_throughput(benchmark, name, precision, batch_size, system, workers, threads):
     """One row of a cell: `system` in one configuration (`workers` x `threads`)."""
-    if system == "fastattn" and precision not in decoding.PRECISIONS:
-        pytest.skip(f"fastattn.decoding.PRECISIONS has no {precision}")
+    if system == "fastattn" and precision not in native.PRECISIONS:
+        pytest.skip(f"fastattn.inference.native.PRECISIONS has no {precision}")
     model = load(name)
     sources = model.sources(batch_size * CORES * BATCHES_PER_WORKER[batch_size])
     batches = [sources[i : i + batch_size] for i in range(0, len(sources), batch_size)]

@@ -212,7 +212,8 @@ def decoding_summary(benchmarks: list[dict]) -> str | None:
         "Sentences per second of each configuration (workers × threads per worker) decoding the "
         "same batches, beam 4 (see benchmarks/bench_decoding.py); the ratio sets fastattn's "
         "best configuration against CTranslate2's best in the same precision, model and batch "
-        "(> 1: fastattn faster). (default): the configuration fastattn.workers.choose picks."
+        "(> 1: fastattn faster). (default): the configuration "
+        "fastattn.inference.workers.choose picks."
     )
     if others:
         text += (

@@ -13,12 +13,13 @@ __version__ = "0.1.0"
 _MODULES = {
     "fastattn._native": ("cpu_isa", "native", "set_cpu_isa"),
     "fastattn.backend": ("get_backend", "set_backend"),
-    "fastattn.ensemble": ("Ensemble",),
+    "fastattn.inference.decoder": ("Decoder",),
+    "fastattn.inference.ensemble": ("Ensemble", "EnsembleDecoder"),
+    "fastattn.inference.search": ("Hypothesis", "beam_search", "greedy_search"),
+    "fastattn.inference.translator": ("Translator",),
     "fastattn.model": ("PRESETS", "Transformer", "TransformerConfig"),
     "fastattn.modules": ("LabelSmoothedCrossEntropy", "MultiHeadAttention", "ResidualLayerNorm",
                          "replace_multihead_attention"),
-    "fastattn.search": ("Hypothesis", "beam_search", "greedy_search"),
-    "fastattn.translate": ("Translator",),
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}
 __all__ = sorted([*_HOME, "ops"], key=str.lower)

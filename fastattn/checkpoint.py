@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from fastattn.data import load_sentencepiece
-from fastattn.ensemble.ensemble import Ensemble
+from fastattn.inference.ensemble import Ensemble
 from fastattn.model import Transformer, TransformerConfig
 
 MAGIC = b"fastattn-checkpoint"

@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 import fastattn
-from fastattn import _native, backend, decoding
+from fastattn import _native, backend
 from fastattn.backend import OPS, implementation
 from fastattn.cli import ArgumentParser
+from fastattn.inference import native
 
 DEVICES = ("cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -87,11 +88,11 @@ def _cpu_isa() -> str:
 
 def _decoding() -> str:
     """The native decoder's precisions and the int8 and bf16 dot products it runs here."""
-    if not decoding.NATIVE_DECODER_STEP:
+    if not native.NATIVE_DECODER_STEP:
         return "python (fastattn._C not built): fp32"
-    int8 = torch.ops.fastattn.int8_kernel() if decoding.NATIVE_INT8 else "not built"
-    bf16 = torch.ops.fastattn.bf16_kernel() if decoding.NATIVE_BF16 else "not built"
-    return f"native: {', '.join(decoding.PRECISIONS)}; int8 kernel {int8}, bf16 kernel {bf16}"
+    int8 = torch.ops.fastattn.int8_kernel() if native.NATIVE_INT8 else "not built"
+    bf16 = torch.ops.fastattn.bf16_kernel() if native.NATIVE_BF16 else "not built"
+    return f"native: {', '.join(native.PRECISIONS)}; int8 kernel {int8}, bf16 kernel {bf16}"
 
 
 def _triton() -> tuple[str, str]:

@@ -2,7 +2,8 @@
 
 Read top to bottom: the configuration and its presets (the paper's base and big models, every
 row of Table 3, small models for CPU), then one small module per piece of section 3, then the
-encoder-decoder with its fused training loss and its incremental decoding for beam search.
+encoder-decoder with its fused training loss. Decoding (search, translation) lives in the
+inference wing, fastattn.inference, which this module never imports.
 
 Token ids are (B, L) LongTensors padded with `pad_id` at the end; everything inside is batch
 first (fastattn.tokens checks them). Section numbers refer to the paper.
@@ -19,26 +20,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastattn import decoding, ops, search
+from fastattn import ops
 from fastattn.autocast import batched_weight_casts
-from fastattn.decoding import DecodingState
 from fastattn.modules import ResidualLayerNorm
 from fastattn.ops.attention import attention_packed
 from fastattn.ops.embedding import embedding as fused_embedding
 from fastattn.ops.relu import relu_backward_bias
 from fastattn.rdrop import linear_rdrop_loss
-from fastattn.search import BeamSearchSetup, Hypothesis, LengthPenalty, beam_search
 from fastattn.tokens import (
     check_loss_args,
-    check_token_range,
     check_tokens,
     non_padding,
-    range_checked,
     rows,
 )
 
-# DecodingState lives in fastattn.decoding; it stays importable from here.
-__all__ = ["PRESETS", "DecodingState", "Transformer", "TransformerConfig"]
+__all__ = ["PRESETS", "Transformer", "TransformerConfig"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,21 +278,6 @@ class SelfAttention(nn.Module):
         q, k, _ = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
         return attention_probabilities(q, k, mask, causal)
 
-    def step(self, x: Tensor, cache_k: Tensor, cache_v: Tensor, history: Tensor
-             ) -> tuple[Tensor, Tensor | None]:
-        """One decoding step: x (N, d_model) at position t = history.shape[1] - 1; stores its
-        key and value in cache row n (caches (rows, h, capacity, d)) at t and attends to row n's
-        positions j <= t, held by cache rows history[n, j] -> (N, d_model), as forward()."""
-        q, k, v = F.linear(x, self.qkv.weight, self.qkv.bias).split(self.split, dim=-1)
-        n, t = x.shape[0], history.shape[1] - 1
-        cache_k[:n, :, t] = k.view(n, self.heads, -1)
-        cache_v[:n, :, t] = v.view(n, self.heads, -1)
-        q = q.view(n, self.heads, 1, -1)
-        out = decoding.step_attention(q, decoding.gather_prefixes(cache_k, history),
-                                      decoding.gather_prefixes(cache_v, history))
-        return output_projection(self.out, out.view(n, -1), self.fold_bias)
-
-
 class CrossAttention(nn.Module):
     """MultiHead(x, memory, memory) (3.2.3): decoder queries over the encoder output."""
 
@@ -335,24 +316,6 @@ class CrossAttention(nn.Module):
         (B, h, T, S)."""
         return attention_probabilities(split_heads(self.q(x), self.heads),
                                        self.split_kv(memory_kv)[0], memory_mask)
-
-    def step(self, x: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sentences: Tensor | None,
-             ) -> tuple[Tensor, Tensor | None]:
-        """One decoding step for x (N, d_model) over per-sentence keys k (B, h, S, d_k), values
-        and additive padding bias (B, 1, 1, S). Rows grouped by sentence (sentences=None,
-        N = B·r) attend as r queries of their sentence, with no copy of k and v; otherwise row i
-        reads sentence sentences[i]."""
-        n = x.shape[0]
-        q = F.linear(x, self.q.weight, self.q.bias)
-        if sentences is None:
-            q = q.view(k.shape[0], -1, self.heads, k.shape[-1]).transpose(1, 2)  # (B, h, r, d_k)
-        else:
-            q = q.view(n, self.heads, 1, -1)
-            k, v = k[sentences], v[sentences]
-            bias = None if bias is None else bias[sentences]
-        out = decoding.step_attention(q, k, v, bias)
-        return output_projection(self.out, out.transpose(1, 2).reshape(n, -1), self.fold_bias)
-
 
 class FeedForward(nn.Module):
     """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (eq. 2)."""
@@ -500,17 +463,6 @@ class DecoderLayer(nn.Module):
                                                                         memory_mask))
         return self.feed_forward_norm(x, self.feed_forward)
 
-    def step(self, x: Tensor, state: DecodingState, layer: int) -> Tensor:
-        """x (N, d_model), the newest position of every row -> (N, d_model)."""
-        k, v = state.self_k[layer], state.self_v[layer]
-        history = state.history[:, : state.length + 1]
-        s = self.self_attention_norm(Stream(x), lambda h: self.self_attention.step(h, k, v,
-                                                                                  history))
-        s = self.cross_attention_norm(s, lambda h: self.cross_attention.step(
-            h, state.memory_k[layer], state.memory_v[layer], state.memory_bias, state.sentences))
-        return self.feed_forward_norm(s, self.feed_forward).x
-
-
 class Stack(nn.Module):
     """N identical layers; pre-norm stacks end with one more LayerNorm."""
 
@@ -537,9 +489,8 @@ class Transformer(nn.Module):
     """The encoder-decoder of Figure 1 with tied embeddings (3.4).
 
     Training: ``model.loss(src, tgt_in, tgt_out)`` (the fused projection + label-smoothed loss,
-    full logits never exist). Inference: ``model(src, tgt_in)`` gives logits; for search,
-    ``state = model.start_decoding(src)`` then ``model.decode_step(tokens, state)`` per position
-    and ``state.reorder(rows)`` between steps (see start_decoding)."""
+    full logits never exist). Inference: ``model(src, tgt_in)`` gives logits; search and
+    incremental decoding: ``fastattn.Decoder(model).beam_search(src, ...)``."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -547,9 +498,6 @@ class Transformer(nn.Module):
         self.embedding = Embedding(cfg)
         self.encoder = Stack(cfg, EncoderLayer, cfg.encoder_layers)
         self.decoder = Stack(cfg, DecoderLayer, cfg.decoder_layers)
-        # decoding's weights in native layouts (fastattn.decoding.native_weights), by
-        # precision: (the parameters' versions when built, the weights).
-        self._native_weights: dict[str, tuple[tuple, object]] = {}
         for name, p in self.named_parameters():
             if name.endswith(".weight") and p.dim() == 2 and not name.startswith("embedding"):
                 nn.init.xavier_uniform_(p)
@@ -697,87 +645,3 @@ class Transformer(nn.Module):
             for h in hooks:
                 h.remove()
         return captured
-
-    # -- incremental decoding -----------------------------------------------------------------
-
-    @torch.inference_mode()
-    def start_decoding(self, src: Tensor, capacity: int | None = None,
-                       precision: str = "fp32") -> DecodingState:
-        """Encodes src (B, S) once and returns the state for decode_step (fastattn.decoding's
-        DecodingState says how its rows map to sentences and reorder). The encoder keys and
-        values of every decoder layer are computed here, once per sentence (not per beam).
-        `capacity` is the number of positions preallocated per row (default S + 50, the paper's
-        maximum output length); the caches grow when a longer output needs it. `precision`:
-        one of fastattn.decoding.PRECISIONS; "int8" and "bf16" need the native CPU decoder (a
-        model or device it does not cover raises ValueError). Decoding is inference: no
-        dropout, no gradients."""
-        if self.training:
-            raise RuntimeError("decoding is inference: call model.eval() first")
-        decoding.check_precision(precision)
-        reason = decoding.native_decoder_supports(self, self.embedding.weight, precision)
-        if reason is not None and precision != "fp32":
-            raise ValueError(f"precision {precision} needs fastattn._C's CPU decoder: {reason}")
-        if not range_checked(src):  # GPUs check here, once per search, not in training steps
-            check_tokens("src", src, self.cfg.vocab_size)
-            check_token_range("src", src, self.cfg.vocab_size)
-        weights = None if reason else decoding.native_weights(self, precision)
-        memory_k, memory_v, mask = decoding.encode(self, src, weights)
-        state = DecodingState(memory_k=memory_k, memory_v=memory_v, memory_mask=mask,
-                              capacity=capacity or src.shape[1] + 50, precision=precision)
-        state.native_weights = weights
-        return state
-
-    @torch.inference_mode()
-    def decode_step(self, tokens: Tensor, state: DecodingState) -> Tensor:
-        """tokens (N,): the newest token of every row (BOS on the first call), at position
-        state.length -> log-probabilities (N, cfg.output_size) of the next token. Costs O(length):
-        earlier positions are read from the caches, not recomputed."""
-        if range_checked(tokens):
-            check_token_range("tokens", tokens, self.cfg.vocab_size)
-        state.start_position(tokens.shape[0], self.cfg, self.embedding.weight)
-        x = decoding.native_embedding(self, tokens, state)
-        if decoding.native_decoder_supports(self, x, state.precision) is None:
-            return decoding.native_decode_step(self, x, state)
-        for i, layer in enumerate(self.decoder.layers):
-            x = layer.step(x, state, i)
-        if self.decoder.final_norm is not None:
-            x = self.decoder.final_norm(x)
-        state.length += 1
-        return torch.log_softmax(F.linear(x, self.output_weight).float(), dim=-1)
-
-    @torch.inference_mode()
-    def beam_search(self, src: Tensor, *, beam_size: int = 4, bos_id: int, eos_id: int,
-                    max_len: int | Tensor, alpha: float = 0.6,
-                    length_penalty: LengthPenalty = "gnmt", nbest: int = 1,
-                    precision: str = "fp32") -> list[list[Hypothesis]]:
-        """fastattn.beam_search of src (B, S) over the cached decoder: each sentence's nbest
-        hypotheses, best first. On CPU with fastattn._C the whole search is one native call
-        (fastattn::transformer_beam_search), else beam_search over decode_step; both give the
-        same tokens and scores (fastattn.decoding.native_decoder_supports decides). precision:
-        as in start_decoding."""
-        decoding.check_precision(precision)
-        search.check_special_ids(bos_id, eos_id, self.cfg.vocab_size, self.cfg.output_size)
-        setup = BeamSearchSetup.create(src.shape[0], beam_size, nbest, max_len, alpha,
-                                       length_penalty, src.device)
-        if src.shape[0] == 0:
-            return []
-        state = self.start_decoding(src, capacity=int(setup.limits.max()), precision=precision)
-        native = decoding.native_decoder_supports(self, state.memory_k[0], precision) is None
-        if native and decoding.NATIVE_BEAM_SEARCH:
-            decoding.native_beam_search(self, state, setup, bos_id, eos_id, nbest)
-            return setup.best(nbest)
-
-        def step_fn(tokens: Tensor, reorder: Tensor | None) -> Tensor:
-            if reorder is not None:
-                state.reorder(reorder)
-            return self.decode_step(tokens[:, -1], state)
-
-        return beam_search(step_fn, src.shape[0], beam_size=beam_size, bos_id=bos_id,
-                           eos_id=eos_id, max_len=setup.limits, alpha=alpha,
-                           length_penalty=length_penalty, nbest=nbest)
-
-    def train(self, mode: bool = True) -> Transformer:
-        # Fused Adam writes the weights without bumping their version counters, so the packed
-        # copies cannot tell; a switch of mode (training <-> evaluation) rebuilds them.
-        self._native_weights = {}
-        return super().train(mode)

@@ -34,7 +34,7 @@ def rows(x: Tensor, positions: Tensor) -> Tensor:
 def range_checked(tokens: Tensor) -> bool:
     """Whether the token ids are checked against the vocabulary on every call: on CPU, where
     the one min/max reduction costs no device sync (and outside torch.compile's tracing). On
-    GPUs only the decoding entry points check (start_decoding, so beam search and translation):
+    GPUs only the decoding entry points check (Decoder.start, so beam search and translation):
     a check in each training step would synchronise the device every step."""
     return tokens.device.type == "cpu" and not torch.compiler.is_compiling()
 

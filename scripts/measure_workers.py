@@ -1,5 +1,6 @@
-"""The measurements behind fastattn.workers.choose: sentences per second of beam search (beam 4,
-fixed work per sentence) with 1 worker x all cores against one-thread workers, one per core.
+"""The measurements behind fastattn.inference.workers.choose: sentences per second of beam search
+(beam 4, fixed work per sentence) with 1 worker x all cores against one-thread workers, one per
+core.
 
     .venv/bin/python scripts/measure_workers.py [--sentences 128] [--repeats 2]
         [--precision fp32] [--models multi30k,large] [--batches 64,16,1]
@@ -26,8 +27,9 @@ import time
 import torch
 
 from fastattn import data
+from fastattn.inference import Decoder
+from fastattn.inference.workers import Workers
 from fastattn.model import Transformer
-from fastattn.workers import Workers
 
 BEAM, ALPHA, MAX_LEN = 4, 0.6, 40
 MODELS = {
@@ -81,15 +83,15 @@ def main() -> None:
         torch.manual_seed(0)
         model = Transformer.from_preset(options.pop("name"), vocab_size=8000, dropout=0.0,
                                         **options).eval()
-        extra = {} if args.precision == "fp32" else {"precision": args.precision}
+        decoder = Decoder(model, args.precision)
 
-        def decode(batch: list[list[int]], model=model, extra=extra) -> None:
+        def decode(batch: list[list[int]], decoder=decoder) -> None:
             source = torch.full((len(batch), max(map(len, batch))), sp.pad_id(),
                                 dtype=torch.long)
             for i, ids in enumerate(batch):
                 source[i, : len(ids)] = torch.tensor(ids)
-            model.beam_search(source, beam_size=BEAM, bos_id=sp.bos_id(), eos_id=sp.eos_id(),
-                              max_len=MAX_LEN + 1, alpha=ALPHA, length_penalty="pow", **extra)
+            decoder.beam_search(source, beam_size=BEAM, bos_id=sp.bos_id(), eos_id=sp.eos_id(),
+                                max_len=MAX_LEN + 1, alpha=ALPHA, length_penalty="pow")
 
         for batch_size in map(int, args.batches.split(",")):
             # Batch 1 costs the most per sentence: fewer of them keep its cells short.

@@ -21,8 +21,9 @@ import time
 
 import torch
 
-from fastattn import checkpoint, data, decoding, evaluate, pretrained
-from fastattn.translate import Translator
+from fastattn import checkpoint, data, evaluate
+from fastattn.inference import native, pretrained
+from fastattn.inference.translator import Translator
 
 
 def cpu_model() -> str:
@@ -35,7 +36,8 @@ def cpu_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="a shipped model's name (fastattn.pretrained.names())")
+    source.add_argument("--model",
+                        help="a shipped model's name (fastattn.inference.pretrained.names())")
     source.add_argument("--checkpoint", help="a checkpoint of fastattn.train")
     parser.add_argument("--split", default="test2016", choices=("val", "test2016"))
     parser.add_argument("--precisions", default="int8,bf16",
@@ -43,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     precisions = ["fp32", *(p for p in args.precisions.split(",") if p != "fp32")]
     for p in precisions:
-        decoding.check_precision(p)
+        native.check_precision(p)
     if args.model:
         meta = pretrained.load(args.model)[2]
 

@@ -15,7 +15,7 @@ import torch
 
 import fastattn.model
 from benchmarks import launches
-from fastattn import decoding
+from fastattn.inference import native
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -311,7 +311,7 @@ def test_decoding_cells_run_in_quick_mode_and_render(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads((tmp_path / "results.json").read_text())["benchmarks"]
     ran = {(b["extra_info"]["precision"], b["extra_info"]["impl"]) for b in rows}
-    precisions = getattr(decoding, "PRECISIONS", ("fp32",))
+    precisions = getattr(native, "PRECISIONS", ("fp32",))
     ctranslate2 = importlib.util.find_spec("ctranslate2") is not None
     for precision in ("fp32", "int8", "bf16"):
         assert ((precision, "fastattn 1×2") in ran) == (precision in precisions)

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastattn.decoding  # noqa: F401 - loads fastattn._C, which registers the ops
+import fastattn.inference.native  # noqa: F401 - loads fastattn._C, which registers the ops
 from fastattn._native import set_cpu_isa, supported_cpu_isas
-from fastattn.decoding import NATIVE_BF16
+from fastattn.inference.native import NATIVE_BF16
 
 pytestmark = pytest.mark.skipif(not NATIVE_BF16, reason="fastattn._C is not built")
 ops = torch.ops.fastattn if NATIVE_BF16 else None

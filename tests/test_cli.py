@@ -9,24 +9,26 @@ from fastattn.cli import ArgumentParser
 
 ROOT = Path(__file__).parent.parent
 
-COMMANDS = ["fastattn.train.command", "fastattn.translate_command", "fastattn.evaluate",
-            "fastattn.average", "fastattn.ensemble_command", "fastattn.ctranslate2_convert",
-            "fastattn.gpu_check", "fastattn.info", "fastattn.pretrained"]
+COMMANDS = ["fastattn.train.command", "fastattn.inference.translate_command",
+            "fastattn.evaluate", "fastattn.average", "fastattn.inference.ensemble_command",
+            "fastattn.ctranslate2_convert", "fastattn.gpu_check", "fastattn.info",
+            "fastattn.inference.pretrained"]
 
 # (command module, its main's argv with one abbreviated flag, the abbreviation, what it cuts);
 # the other flags each command requires are given whole, so that the abbreviation is the error.
 ABBREVIATED = [
     ("fastattn.train.command", ["--lr", "0.0005"], "--lr", "--lr-scale"),
     ("fastattn.train.command", ["--res"], "--res", "--resume"),
-    ("fastattn.translate_command", ["--check", "model.pt"], "--check", "--checkpoint"),
+    ("fastattn.inference.translate_command", ["--check", "model.pt"], "--check", "--checkpoint"),
     ("fastattn.evaluate", ["--hy", "h", "--ref", "r", "--lang", "de"], "--hy", "--hyp"),
     ("fastattn.average", ["--dir", "d", "--out", "a.pt"], "--out", "--output"),
-    ("fastattn.ensemble_command", ["--in", "a.pt", "--output", "e.pt"], "--in", "--inputs"),
+    ("fastattn.inference.ensemble_command", ["--in", "a.pt", "--output", "e.pt"], "--in",
+     "--inputs"),
     ("fastattn.ctranslate2_convert", ["--checkpoint", "c.pt", "--output=dir"], "--output",
      "--output-dir"),
     ("fastattn.gpu_check", ["--dry"], "--dry", "--dry-run"),
     ("fastattn.info", ["--he"], "--he", "--help"),
-    ("fastattn.pretrained", ["--checkpoint", "c.pt", "--na", "x"], "--na", "--name"),
+    ("fastattn.inference.pretrained", ["--checkpoint", "c.pt", "--na", "x"], "--na", "--name"),
 ]
 
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import fastattn.decoding  # loads fastattn._C, which registers the ops
-from fastattn.decoding import (
+import fastattn.inference.native  # loads fastattn._C, which registers the ops
+from fastattn.inference import Decoder
+from fastattn.inference.decoder import step_attention
+from fastattn.inference.native import (
     DECODER_LAYER_SLOTS,
     ENCODER_LAYER_SLOTS,
     NATIVE_STEP_ATTENTION,
-    native_decoder_supports,
-    native_weights,
-    step_attention,
+    convert,
+    supports,
 )
 from fastattn.model import Transformer
 
@@ -155,9 +156,10 @@ def test_softmax_weights_over_a_wide_range_of_scores(at_every_cpu_isa):
 
 def test_decoder_step_bad_input_errors():
     model = Transformer.from_preset("tiny", vocab_size=30).eval()
-    state = model.start_decoding(torch.randint(3, 30, (2, 5)))
-    model.decode_step(torch.ones(2, dtype=torch.long), state)
-    weights = native_weights(model)
+    decoder = Decoder(model)
+    state = decoder.start(torch.randint(3, 30, (2, 5)))
+    decoder.step(torch.ones(2, dtype=torch.long), state)
+    weights = convert(model).weights
     params, panels = weights.decoder, weights.packed
     x = torch.randn(2, model.cfg.d_model)
     history = state.history.clone()
@@ -236,9 +238,9 @@ def test_log_softmax_linear_propagates_nan_and_keeps_other_dtypes(at_every_cpu_i
 
 @pytest.mark.parametrize("stack", ["decoder", "encoder"])
 def test_layer_slots_match_the_native_layout(stack):
-    """fastattn.decoding.DECODER_LAYER_SLOTS and ENCODER_LAYER_SLOTS name csrc/layer_slots.h's
-    DecoderLayerSlot and EncoderLayerSlot enums: the same slots, in the same order, as many; and
-    each names a layer's tensor."""
+    """fastattn.inference.native.DECODER_LAYER_SLOTS and ENCODER_LAYER_SLOTS name
+    csrc/layer_slots.h's DecoderLayerSlot and EncoderLayerSlot enums: the same slots, in the
+    same order, as many; and each names a layer's tensor."""
     header = (Path(__file__).parents[1] / "csrc" / "layer_slots.h").read_text()
     enum = f"{stack.capitalize()}LayerSlot"
     body = re.search(rf"enum {enum}[^{{]*\{{(.*?)\}};", header, re.S).group(1)
@@ -266,23 +268,24 @@ def test_layer_slots_match_the_native_layout(stack):
 
 @pytest.mark.parametrize("case", ["pre_norm", "bfloat16"])
 def test_models_the_native_decoder_does_not_cover_decode_in_python(case, monkeypatch):
-    """A pre-norm model or a dtype other than float32/64: native_decoder_supports gives the
-    reason, and decode_step and beam_search return exactly what the Python path returns."""
+    """A pre-norm model or a dtype other than float32/64: native.supports gives the reason,
+    and Decoder.step and beam_search return exactly what the Python path returns."""
     model = Transformer.from_preset("tiny", vocab_size=30, pre_norm=case == "pre_norm").eval()
     if case == "bfloat16":
         model = model.to(torch.bfloat16)
     src = torch.randint(3, 30, (2, 5), generator=torch.Generator().manual_seed(0))
-    assert native_decoder_supports(model, model.embedding.weight) is not None
+    assert supports(model, model.embedding.weight) is not None
 
     def decode():
-        state = model.start_decoding(src)
-        steps = [model.decode_step(torch.full((2,), t), state) for t in (1, 5, 7)]
-        hyps = model.beam_search(src, beam_size=2, bos_id=1, eos_id=2, max_len=6)
+        decoder = Decoder(model)
+        state = decoder.start(src)
+        steps = [decoder.step(torch.full((2,), t), state) for t in (1, 5, 7)]
+        hyps = decoder.beam_search(src, beam_size=2, bos_id=1, eos_id=2, max_len=6)
         return steps, [[(h.tokens, h.score) for h in hs] for hs in hyps]
 
     chosen = decode()
-    monkeypatch.setattr(fastattn.decoding, "NATIVE_DECODER_STEP", False)
-    monkeypatch.setattr(fastattn.decoding, "NATIVE_BEAM_SEARCH", False)
+    monkeypatch.setattr(fastattn.inference.native, "NATIVE_DECODER_STEP", False)
+    monkeypatch.setattr(fastattn.inference.native, "NATIVE_BEAM_SEARCH", False)
     python = decode()
     assert all(torch.equal(a, b) for a, b in zip(chosen[0], python[0], strict=True))
     assert chosen[1] == python[1]
@@ -290,5 +293,5 @@ def test_models_the_native_decoder_does_not_cover_decode_in_python(case, monkeyp
 
 def test_the_paper_model_on_cpu_decodes_natively():
     model = Transformer.from_preset("tiny", vocab_size=30).eval()
-    assert native_decoder_supports(model, model.embedding.weight) is None
-    assert native_decoder_supports(model, model.embedding.weight.double()) is None
+    assert supports(model, model.embedding.weight) is None
+    assert supports(model, model.embedding.weight.double()) is None

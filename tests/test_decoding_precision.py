@@ -1,5 +1,5 @@
-"""The native decoder in int8 and bf16 (fastattn.decoding.PRECISIONS): Transformer.beam_search's
-one native call against fastattn.beam_search over decode_step (what an ensemble runs), the
+"""The native decoder in int8 and bf16 (fastattn.inference.native.PRECISIONS): Decoder.beam_search's
+one native call against fastattn.beam_search over Decoder.step (what an ensemble runs), the
 distributions against float32's, the encoder's maps against references of the same rounding,
 the weights built once per precision, and the errors."""
 
@@ -12,8 +12,10 @@ from test_bf16_linear import rounded_product
 from test_int8_linear import reference_logits
 from torch import nn
 
-import fastattn.decoding
-from fastattn.decoding import NATIVE_BF16, NATIVE_INT8
+import fastattn.inference.native
+from fastattn.inference import Decoder
+from fastattn.inference.decoder import encode
+from fastattn.inference.native import NATIVE_BF16, NATIVE_INT8, convert
 from fastattn.model import Transformer, TransformerConfig
 
 pytestmark = pytest.mark.skipif(not (NATIVE_INT8 and NATIVE_BF16),
@@ -51,11 +53,11 @@ def test_native_search_equals_search_over_decode_step(precision, output_vocab_si
 
     def search(**extra):
         return [[(h.tokens, h.score) for h in hyps]
-                for hyps in model.beam_search(source(), **options, **extra)]
+                for hyps in Decoder(model, **extra).beam_search(source(), **options)]
 
     native = search(precision=precision)
     fp32 = search()
-    monkeypatch.setattr(fastattn.decoding, "NATIVE_BEAM_SEARCH", False)
+    monkeypatch.setattr(fastattn.inference.native, "NATIVE_BEAM_SEARCH", False)
     assert search(precision=precision) == native
     assert native != fp32  # scores differ in their last digits at least
     assert max(abs(a[0][1] - b[0][1]) for a, b in zip(native, fp32, strict=True)) < 0.5
@@ -66,10 +68,11 @@ def test_native_search_equals_search_over_decode_step(precision, output_vocab_si
 def test_decode_step_is_close_to_float32(precision, bound):
     model = make_model()
     src = source()
-    states = {p: model.start_decoding(src, precision=p) for p in ("fp32", precision)}
+    decoders = {p: Decoder(model, p) for p in ("fp32", precision)}
+    states = {p: decoder.start(src) for p, decoder in decoders.items()}
     tokens = torch.full((5,), 1)
     for _ in range(4):
-        out = {p: model.decode_step(tokens, s) for p, s in states.items()}
+        out = {p: decoders[p].step(tokens, s) for p, s in states.items()}
         assert (out[precision].exp() - out["fp32"].exp()).abs().max() < bound
         tokens = out["fp32"].argmax(-1)
 
@@ -101,10 +104,9 @@ def test_the_encoder_and_memory_projections_compute_what_their_reference_does(pr
                                                  or name == "kv"):
                 setattr(module, name, RoundedLinear(child, precision))
     with torch.inference_mode():
-        got = fastattn.decoding.encode(model, src, fastattn.decoding.native_weights(model,
-                                                                                    precision))
-        expected = fastattn.decoding.encode(reference, src)  # no weights: the Python modules
-        fp32 = fastattn.decoding.encode(model, src)
+        got = convert(model, precision).encode(src)
+        expected = encode(reference, src)  # the Python modules
+        fp32 = encode(model, src)
     for a, b, c in zip(got[0] + got[1], expected[0] + expected[1], fp32[0] + fp32[1],
                        strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -115,32 +117,35 @@ def test_the_encoder_and_memory_projections_compute_what_their_reference_does(pr
 
 @pytest.mark.parametrize("precision", LOW)
 def test_weights_are_built_once_per_precision_and_follow_the_weights(precision):
+    """A Decoder's engine is converted once and again when a weight changed (its version, or
+    a new parameter); fused optimisers write the weights without a version bump, so a Decoder
+    made after them (as each dev evaluation makes its Translator) converts afresh."""
     model = make_model()
-    first = fastattn.decoding.native_weights(model, precision)
-    assert fastattn.decoding.native_weights(model, precision) is first
-    assert fastattn.decoding.native_weights(model, "fp32") is not first
+    decoder = Decoder(model, precision)
+    first = decoder.engine()
+    assert decoder.engine() is first and first.precision == precision
+    assert Decoder(model, "fp32").engine() is not first
     for change in (lambda: model.encoder.layers[1].feed_forward.w2.weight.mul_(2),
                    lambda: model.decoder.layers[0].self_attention_norm.norm.bias.add_(1)):
         with torch.no_grad():
             change()
-        assert fastattn.decoding.native_weights(model, precision) is not first
-        first = fastattn.decoding.native_weights(model, precision)
+        assert decoder.engine() is not first
+        first = decoder.engine()
     model.encoder.layers[0].feed_forward.w1.bias = nn.Parameter(torch.zeros(TINY.d_ff))
-    assert fastattn.decoding.native_weights(model, precision) is not first
-    first = fastattn.decoding.native_weights(model, precision)
-    model.train().eval()  # fused optimisers write the weights without a version bump
-    assert fastattn.decoding.native_weights(model, precision) is not first
+    assert decoder.engine() is not first
+    first = decoder.engine()
+    assert Decoder(model, precision).engine() is not first
 
 
 def test_precision_errors():
     model = make_model()
     with pytest.raises(ValueError, match="precision must be one of fp32, int8, bf16, got 'fp16'"):
-        model.beam_search(source(), bos_id=1, eos_id=2, max_len=5, precision="fp16")
+        Decoder(model, "fp16")
     pre_norm = make_model(replace(TINY, pre_norm=True))
     for precision in LOW:
         with pytest.raises(ValueError, match=f"precision {precision} needs fastattn._C's CPU "
                                              "decoder: pre-norm"):
-            pre_norm.start_decoding(source(), precision=precision)
+            Decoder(pre_norm, precision).start(source())
     with pytest.raises(ValueError, match="int8 decoding computes in float32"):
-        make_model().double().beam_search(source(), bos_id=1, eos_id=2, max_len=5,
-                                          precision="int8")
+        Decoder(make_model().double(), "int8").beam_search(source(), bos_id=1, eos_id=2,
+                                                           max_len=5)

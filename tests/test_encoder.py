@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-import fastattn.decoding
-from fastattn.decoding import NATIVE_ENCODE, encode, native_weights
+from fastattn.inference import Decoder
+from fastattn.inference.decoder import encode
+from fastattn.inference.native import NATIVE_ENCODE, convert
 from fastattn.model import Transformer, TransformerConfig
 
 pytestmark = pytest.mark.skipif(not NATIVE_ENCODE, reason="fastattn._C is not built")
@@ -50,7 +51,7 @@ def test_native_encoder_equals_the_python_modules_bit_for_bit(at_every_cpu_isa, 
     model = make_model(cfg, dtype)
     src = source(batch, length, lengths)
     with torch.inference_mode():
-        native = encode(model, src, native_weights(model))
+        native = convert(model).encode(src)
         python = encode(model, src)
     for got, expected in zip(native[0] + native[1], python[0] + python[1], strict=True):
         assert got.shape == expected.shape and got.dtype == dtype
@@ -64,13 +65,13 @@ def test_decoding_encodes_natively(monkeypatch):
     model = make_model()
     src = source(4, 11, [11, 3, 8, 6])
     options = dict(beam_size=3, bos_id=1, eos_id=2, max_len=8)
-    expected = model.beam_search(src, **options)
+    expected = Decoder(model).beam_search(src, **options)
 
     def refuse(*args):
         raise AssertionError("the Python encoder ran")
 
     monkeypatch.setattr(model.encoder, "forward", refuse)
-    got = model.beam_search(src, **options)
+    got = Decoder(model).beam_search(src, **options)
     assert [[(h.tokens, h.score) for h in hyps] for hyps in got] == \
         [[(h.tokens, h.score) for h in hyps] for hyps in expected]
 
@@ -81,13 +82,13 @@ def test_models_the_native_decoder_refuses_encode_in_python(monkeypatch):
     calls = []
     forward = model.encoder.forward
     monkeypatch.setattr(model.encoder, "forward", lambda *a: calls.append(1) or forward(*a))
-    model.start_decoding(source(2, 5))
+    Decoder(model).start(source(2, 5))
     assert calls == [1]
 
 
 def test_transformer_encode_errors():
     model = make_model()
-    weights = native_weights(model)
+    weights = convert(model).weights
     src = source(2, 5)
     embedding = model.embedding
 
@@ -110,7 +111,7 @@ def test_transformer_encode_errors():
         call(params=weights.encoder[:-1])
     with pytest.raises(RuntimeError, match="must be float32 or float64, got Half"):
         call(weight=embedding.weight.detach().half())
-    int8 = native_weights(model, "int8")
+    int8 = convert(model, "int8").weights
     with pytest.raises(RuntimeError, match="packed and memory_packed must both be empty or"):
         call(packed=int8.encoder_packed)
     with pytest.raises(RuntimeError, match="packed and memory_packed must both be empty or"):
@@ -121,5 +122,5 @@ def test_transformer_encode_errors():
         torch.ops.fastattn.transformer_encode(
             src, double.embedding.weight.detach(), double.embedding.positions(0, 5),
             double.embedding.scale, 0, TINY.heads, TINY.key_dim,
-            fastattn.decoding.native_weights(double).encoder, int8.encoder_packed,
-            fastattn.decoding.native_weights(double).memory, int8.memory_packed, 1e-5)
+            convert(double).weights.encoder, int8.encoder_packed,
+            convert(double).weights.memory, int8.memory_packed, 1e-5)

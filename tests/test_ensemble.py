@@ -1,4 +1,4 @@
-"""fastattn.ensemble: decoding with the mean of several models' distributions, ensemble
+"""fastattn.inference.ensemble: decoding with the mean of several models' distributions, ensemble
 checkpoints, and python -m fastattn.ensemble."""
 
 import copy
@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from fastattn import checkpoint, data
-from fastattn.ensemble import Ensemble
+from fastattn.inference import Decoder, Ensemble, EnsembleDecoder
+from fastattn.inference.search import length_penalty_table
+from fastattn.inference.translator import Translator
 from fastattn.model import Transformer
-from fastattn.search import length_penalty_table
-from fastattn.translate import Translator
 
 VOCAB = 300
 
@@ -42,10 +42,11 @@ def sources(rows: int = 3, seed: int = 5) -> torch.Tensor:
 
 def test_decode_step_is_the_log_of_the_mean_probability_over_members():
     members = [member(1), member(2), member(3)]
-    ensemble = Ensemble(members)
+    ensemble = EnsembleDecoder(Ensemble(members))
+    decoders = [Decoder(m) for m in members]
     src = sources()
-    state = ensemble.start_decoding(src, capacity=6)
-    singles = [m.start_decoding(src, capacity=6) for m in members]
+    state = ensemble.start(src, capacity=6)
+    singles = [d.start(src, capacity=6) for d in decoders]
     tokens = torch.full((3,), data.BOS_ID)
     for position in range(4):
         if position == 2:  # rows reordered like a beam search would: the caches follow
@@ -53,9 +54,9 @@ def test_decode_step_is_the_log_of_the_mean_probability_over_members():
             state.reorder(rows)
             for s in singles:
                 s.reorder(rows)
-        got = ensemble.decode_step(tokens, state)
-        probabilities = [m.decode_step(tokens, s).double().exp()
-                         for m, s in zip(members, singles, strict=True)]
+        got = ensemble.step(tokens, state)
+        probabilities = [d.step(tokens, s).double().exp()
+                         for d, s in zip(decoders, singles, strict=True)]
         expected = (sum(probabilities) / 3).log()
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-5)
         tokens = torch.randint(4, VOCAB, (3,), generator=torch.Generator().manual_seed(position))
@@ -65,10 +66,10 @@ def test_ensemble_of_one_is_the_model_and_of_copies_is_the_same_search():
     model = member(1)
     src = sources()
     options = dict(beam_size=3, nbest=2, bos_id=data.BOS_ID, eos_id=data.EOS_ID, max_len=8)
-    alone = model.beam_search(src, **options)
-    assert Ensemble([model]).beam_search(src, **options) == alone
+    alone = Decoder(model).beam_search(src, **options)
+    assert EnsembleDecoder(Ensemble([model])).beam_search(src, **options) == alone
     # The mean of equal distributions is that distribution: same hypotheses, same scores.
-    copies = Ensemble([model, member(1)]).beam_search(src, **options)
+    copies = EnsembleDecoder(Ensemble([model, member(1)])).beam_search(src, **options)
     assert [[h.tokens for h in hs] for hs in copies] == [[h.tokens for h in hs] for hs in alone]
     for got, expected in zip(copies, alone, strict=True):
         for g, e in zip(got, expected, strict=True):
@@ -79,8 +80,9 @@ def test_beam_search_scores_are_the_ensembles_log_probability_of_the_hypothesis(
     members = [member(1), member(2)]
     src = sources()
     alpha = 0.6
-    found = Ensemble(members).beam_search(src, beam_size=4, nbest=3, bos_id=data.BOS_ID,
-                                          eos_id=data.EOS_ID, max_len=7, alpha=alpha)
+    found = EnsembleDecoder(Ensemble(members)).beam_search(
+        src, beam_size=4, nbest=3, bos_id=data.BOS_ID, eos_id=data.EOS_ID, max_len=7,
+        alpha=alpha)
     penalty = length_penalty_table(7, alpha, "gnmt")
     references = [copy.deepcopy(m).double() for m in members]
     for row, hypotheses in enumerate(found):

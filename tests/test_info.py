@@ -6,8 +6,8 @@ import sys
 
 import torch
 
-from fastattn import decoding
 from fastattn.backend import IMPLEMENTATIONS, OPS, TRITON_MAX_HEAD_DIM, implementation
+from fastattn.inference import native
 from fastattn.info import DTYPES, GRAD_MODES, VARIANTS
 from fastattn.kernels.attention import MAX_HEAD_DIM
 
@@ -20,7 +20,7 @@ def test_info_prints_the_dispatch_table_implementation_returns():
     for field in ("python", "torch", "triton", "fastattn._C", "backend", "cpu features", "gpu",
                   "cpu decoding"):
         assert field in head, field
-    if decoding.NATIVE_INT8:  # the kernels this machine runs, as the extension reports them
+    if native.NATIVE_INT8:  # the kernels this machine runs, as the extension reports them
         assert f"int8 kernel {torch.ops.fastattn.int8_kernel()}, bf16 kernel " \
                f"{torch.ops.fastattn.bf16_kernel()}" in head
     rows = {tuple(line.split()[:4]): line.split(None, 4)[4] for line in table.splitlines()[1:]}

@@ -1,6 +1,6 @@
-"""fastattn.model: the paper's Transformer. Causality, padding, cached decoding equal to the
-teacher-forced forward (through reorders, beam expansion and finished sentences leaving), the
-fused loss, and parameter counts against Table 3."""
+"""fastattn.model: the paper's Transformer. Causality, padding, cached decoding
+(fastattn.inference.Decoder) equal to the teacher-forced forward (through reorders, beam expansion
+and finished sentences leaving), the fused loss, and parameter counts against Table 3."""
 
 from dataclasses import replace
 
@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-import fastattn.decoding
+import fastattn.inference.native
 import fastattn.model
 from fastattn.backend import implementation
+from fastattn.inference import Decoder
 from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
 
 V, PAD = 23, 0
@@ -53,9 +54,9 @@ def pad_after(x, lengths):
 def decoder_path(request, monkeypatch):
     """Cached decoding through fastattn._C's decoder_step (CPU, float32/64, post-norm) and
     through the per-layer PyTorch steps."""
-    if request.param == "native" and not fastattn.decoding.NATIVE_DECODER_STEP:
+    if request.param == "native" and not fastattn.inference.native.NATIVE_DECODER_STEP:
         pytest.skip("fastattn._C is not built: no native decoder step")
-    monkeypatch.setattr(fastattn.decoding, "NATIVE_DECODER_STEP", request.param == "native")
+    monkeypatch.setattr(fastattn.inference.native, "NATIVE_DECODER_STEP", request.param == "native")
     return request.param
 
 
@@ -101,20 +102,22 @@ def test_cached_decoding_equals_teacher_forcing(cfg, decoder_path):
     src = pad_after(tokens(3, 6), [6, 2, 4])
     tgt = tokens(3, 7, seed=2)
     expected = model(src, tgt).log_softmax(-1)
-    state = model.start_decoding(src, capacity=3)  # grows twice on the way
-    steps = [model.decode_step(tgt[:, t], state) for t in range(tgt.shape[1])]
+    decoder = Decoder(model)
+    state = decoder.start(src, capacity=3)  # grows twice on the way
+    steps = [decoder.step(tgt[:, t], state) for t in range(tgt.shape[1])]
     torch.testing.assert_close(torch.stack(steps, dim=1), expected, **TOL)
     assert state.length == 7 and state.capacity >= 7
 
 
 def test_decoding_follows_weights_updated_in_place(decoder_path):
-    """The native step keeps packed copies of the weights: an optimiser's in-place update (as
-    between dev evaluations in training) must reach the next decoding."""
+    """The native engine keeps packed copies of the weights: an in-place update (which bumps
+    the weights' versions) must reach the next decoding of the same Decoder."""
     model = make_model()
+    decoder = Decoder(model)
     src, tgt = tokens(2, 5), tokens(2, 4, seed=3)
     for _ in range(2):
-        state = model.start_decoding(src)
-        steps = [model.decode_step(tgt[:, t], state) for t in range(tgt.shape[1])]
+        state = decoder.start(src)
+        steps = [decoder.step(tgt[:, t], state) for t in range(tgt.shape[1])]
         torch.testing.assert_close(torch.stack(steps, dim=1), model(src, tgt).log_softmax(-1),
                                    **TOL)
         with torch.no_grad():
@@ -123,15 +126,16 @@ def test_decoding_follows_weights_updated_in_place(decoder_path):
 
 
 def test_decoding_follows_a_fused_optimiser(decoder_path):
-    """Fused Adam (the trainer's) writes the weights without bumping their version counters: the
-    next decoding after a training step (train(), step, eval(), as the trainer's dev evaluation
-    does) must still use the new weights."""
+    """Fused Adam (the trainer's) writes the weights without bumping their version counters: a
+    Decoder made after a training step (train(), step, eval(), as the trainer's dev evaluation
+    makes its Translator) must use the new weights."""
     model = make_model()
     optimiser = torch.optim.Adam(model.parameters(), lr=0.05, fused=True)
     src, tgt = tokens(2, 5), tokens(2, 4, seed=3)
     for _ in range(3):
-        state = model.start_decoding(src)
-        steps = [model.decode_step(tgt[:, t], state) for t in range(tgt.shape[1])]
+        decoder = Decoder(model)
+        state = decoder.start(src)
+        steps = [decoder.step(tgt[:, t], state) for t in range(tgt.shape[1])]
         torch.testing.assert_close(torch.stack(steps, dim=1), model(src, tgt).log_softmax(-1),
                                    **TOL)
         model.train()
@@ -149,7 +153,8 @@ def test_cached_decoding_follows_beam_search_reorders(cfg, decoder_path):
     src = pad_after(tokens(3, 6), [6, 2, 4])
     beam = 2
     g = torch.Generator().manual_seed(7)
-    state = model.start_decoding(src)
+    decoder = Decoder(model)
+    state = decoder.start(src)
     sentence = torch.arange(3).repeat_interleave(beam)  # first call: 2 rows per sentence
     prefixes = torch.ones(6, 1, dtype=torch.long)
     reorders = [
@@ -163,7 +168,7 @@ def test_cached_decoding_follows_beam_search_reorders(cfg, decoder_path):
         if rows is not None:
             state.reorder(rows)
             sentence, prefixes = sentence[rows], prefixes[rows]
-        logprobs = model.decode_step(prefixes[:, -1], state)
+        logprobs = decoder.step(prefixes[:, -1], state)
         torch.testing.assert_close(logprobs, reference_logprobs(model, src[sentence], prefixes),
                                    **TOL)
         step_tokens = torch.randint(1, V, (len(prefixes), 1), generator=g)
@@ -176,14 +181,15 @@ def test_decoding_one_row_per_sentence_then_beams(lengths, decoder_path):
     """The search may start with one row per sentence and expand to the beam on reorder."""
     model = make_model()
     src = pad_after(tokens(2, 5), lengths)
-    state = model.start_decoding(src)
+    decoder = Decoder(model)
+    state = decoder.start(src)
     assert (state.memory_bias is None) == (lengths == [5, 5])
     bos = torch.ones(2, dtype=torch.long)
-    model.decode_step(bos, state)
+    decoder.step(bos, state)
     state.reorder(torch.tensor([0, 0, 0, 1, 1, 1]))
     assert state.sentences is None  # grouped: cross-attention reads memory without copies
     next_tokens = tokens(6, 1, seed=4)
-    logprobs = model.decode_step(next_tokens[:, 0], state)
+    logprobs = decoder.step(next_tokens[:, 0], state)
     prefixes = torch.cat([torch.ones(6, 1, dtype=torch.long), next_tokens], dim=1)
     expected = reference_logprobs(model, src.repeat_interleave(3, dim=0), prefixes)
     torch.testing.assert_close(logprobs, expected, **TOL)
@@ -191,7 +197,7 @@ def test_decoding_one_row_per_sentence_then_beams(lengths, decoder_path):
     state.reorder(rows)
     assert state.sentences is not None
     prefixes = torch.cat([prefixes[rows], tokens(4, 1, seed=5)], dim=1)
-    logprobs = model.decode_step(prefixes[:, -1], state)
+    logprobs = decoder.step(prefixes[:, -1], state)
     expected = reference_logprobs(model, src[torch.tensor([1, 0, 1, 0])], prefixes)
     torch.testing.assert_close(logprobs, expected, **TOL)
 
@@ -204,11 +210,11 @@ def test_decoding_one_row_per_sentence_then_beams(lengths, decoder_path):
 def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, penalty,
                                                            per_sentence_max_len,
                                                            output_vocab_size, monkeypatch):
-    """Transformer.beam_search's one native call (fastattn::transformer_beam_search) returns
-    the tokens and scores, bit for bit, of fastattn.beam_search over decode_step: sentences of
+    """Decoder.beam_search's one native call (fastattn::transformer_beam_search) returns the
+    tokens and scores, bit for bit, of fastattn.beam_search over Decoder.step: sentences of
     different lengths finish at different steps and leave the batch. With an output vocabulary
     smaller than the input's, both predict from its pieces only."""
-    if not fastattn.decoding.NATIVE_BEAM_SEARCH:
+    if not fastattn.inference.native.NATIVE_BEAM_SEARCH:
         pytest.skip("fastattn._C is not built: no native beam search")
     cfg = replace(TINY, vocab_size=97, output_vocab_size=output_vocab_size)
     model = make_model(cfg).to(dtype)
@@ -216,9 +222,9 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
     max_len = torch.tensor([3, 12, 1, 8, 6]) if per_sentence_max_len else 9
     options = dict(beam_size=beam, nbest=nbest, bos_id=1, eos_id=2, max_len=max_len, alpha=0.8,
                    length_penalty=penalty)
-    native = model.beam_search(src, **options)
-    monkeypatch.setattr(fastattn.decoding, "NATIVE_BEAM_SEARCH", False)
-    stepwise = model.beam_search(src, **options)
+    native = Decoder(model).beam_search(src, **options)
+    monkeypatch.setattr(fastattn.inference.native, "NATIVE_BEAM_SEARCH", False)
+    stepwise = Decoder(model).beam_search(src, **options)
     assert [[(h.tokens, h.score) for h in hyps] for hyps in native] == \
         [[(h.tokens, h.score) for h in hyps] for hyps in stepwise]
     assert len(native[1]) == nbest  # (a max_len of 1 leaves room for one hypothesis: EOS)
@@ -229,7 +235,7 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
 def test_native_beam_search_does_not_depend_on_earlier_searches():
     """The native search keeps its buffers from call to call (per thread): a search after
     larger ones, longer ones and float64 ones returns what it returned the first time."""
-    if not fastattn.decoding.NATIVE_BEAM_SEARCH:
+    if not fastattn.inference.native.NATIVE_BEAM_SEARCH:
         pytest.skip("fastattn._C is not built: no native beam search")
     model = make_model(replace(TINY, vocab_size=97))
     small, large = pad_after(tokens(2, 5), [5, 3]), pad_after(tokens(7, 11, seed=3), [11] * 7)
@@ -237,7 +243,7 @@ def test_native_beam_search_does_not_depend_on_earlier_searches():
 
     def search(model, src, max_len):
         return [[(h.tokens, h.score) for h in hyps]
-                for hyps in model.beam_search(src, max_len=max_len, **options)]
+                for hyps in Decoder(model).beam_search(src, max_len=max_len, **options)]
 
     first = search(model, small, 6)
     search(model, large, 30)
@@ -249,13 +255,13 @@ def test_decode_step_does_not_rerun_the_prefix(monkeypatch):
     """The matrix products of a step (projections, feed-forward, output) do not grow with the
     length: earlier positions come from the cache. (Attention itself reads O(length) keys.) On
     the PyTorch path, whose every matmul the counter sees."""
-    monkeypatch.setattr(fastattn.decoding, "NATIVE_DECODER_STEP", False)
-    model = make_model()
-    state = model.start_decoding(tokens(2, 5))
+    monkeypatch.setattr(fastattn.inference.native, "NATIVE_DECODER_STEP", False)
+    decoder = Decoder(make_model())
+    state = decoder.start(tokens(2, 5))
     flops = []
     for _ in range(6):
         with FlopCounterMode(display=False) as counter:
-            model.decode_step(torch.ones(2, dtype=torch.long), state)
+            decoder.step(torch.ones(2, dtype=torch.long), state)
         by_op = counter.get_flop_counts()["Global"]
         flops.append(sum(n for op, n in by_op.items() if op is not torch.ops.aten.bmm))
     assert flops[0] > 0 and flops[-1] == flops[0]
@@ -264,16 +270,18 @@ def test_decode_step_does_not_rerun_the_prefix(monkeypatch):
 def test_decoding_errors_are_clear():
     model = make_model()
     src = tokens(2, 5)
-    state = model.start_decoding(src)
-    with pytest.raises(RuntimeError, match="before the first decode_step"):
+    decoder = Decoder(model)
+    state = decoder.start(src)
+    with pytest.raises(RuntimeError, match="before the first Decoder.step"):
         state.reorder(torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="multiple of the 2 sentences"):
-        model.decode_step(torch.ones(3, dtype=torch.long), state)
-    model.decode_step(torch.ones(4, dtype=torch.long), state)
+        decoder.step(torch.ones(3, dtype=torch.long), state)
+    decoder.step(torch.ones(4, dtype=torch.long), state)
     with pytest.raises(ValueError, match="reorder"):
-        model.decode_step(torch.ones(3, dtype=torch.long), state)
+        decoder.step(torch.ones(3, dtype=torch.long), state)
+    model.train()
     with pytest.raises(RuntimeError, match="eval"):
-        model.train().start_decoding(src)
+        decoder.start(src)
 
 
 def test_attention_weights_are_the_ones_the_model_uses():
@@ -551,10 +559,11 @@ def test_token_ids_outside_the_vocabulary_name_the_id_its_place_and_the_size():
         model(bad_src, tgt)
     with pytest.raises(ValueError, match=message):
         model.loss(bad_src, tgt, tgt)
+    decoder = Decoder(model)
     with pytest.raises(ValueError, match=message):
-        model.beam_search(bad_src, bos_id=1, eos_id=2, max_len=3)
+        decoder.beam_search(bad_src, bos_id=1, eos_id=2, max_len=3)
     with pytest.raises(ValueError, match=message):
-        model.start_decoding(bad_src)
+        decoder.start(bad_src)
     bad_tgt = tgt.clone()
     bad_tgt[0, 2] = -1
     with pytest.raises(ValueError, match=r"target input token id -1 at \(batch 0, position 2\) "
@@ -566,11 +575,11 @@ def test_token_ids_outside_the_vocabulary_name_the_id_its_place_and_the_size():
         model.loss(src, tgt, bad_tgt)
     with pytest.raises(ValueError, match=r"target 20 is out of range for 17 classes"):
         model.rdrop_loss(src, tgt, bad_tgt, alpha=1.0)
-    state = model.start_decoding(src)
+    state = decoder.start(src)
     with pytest.raises(ValueError, match="decoder input token id 23 at row 1 is outside the "
                                          "vocabulary of 23"):
-        model.decode_step(torch.tensor([1, 23]), state)
-    model.decode_step(torch.tensor([1, 22]), state)  # the last id is in
+        decoder.step(torch.tensor([1, 23]), state)
+    decoder.step(torch.tensor([1, 22]), state)  # the last id is in
 
 
 # float32 runs the attention op (fastattn._C, or the Triton kernels under the interpreter), so

@@ -175,6 +175,27 @@ def test_no_import_cycle_in_fastattn_and_kernels():
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
 
 
+def test_the_model_imports_nothing_from_the_inference_wing():
+    # The paper's model knows nothing of decoding: no import of fastattn.inference, at the top,
+    # inside a function or under TYPE_CHECKING, directly or through the modules it imports.
+    paths = package_modules()
+    modules = set(paths) | EXTENSIONS
+    graph = {name: module_imports(name, path, modules) for name, path in paths.items()}
+    graph.update({name: {} for name in EXTENSIONS})
+    direct = sorted(graph["fastattn.model"])
+    reached, pending = set(), ["fastattn.model"]
+    while pending:
+        for module in graph[pending.pop()]:
+            if module not in reached:
+                reached.add(module)
+                pending.append(module)
+    wing = sorted(m for m in reached if m == "fastattn.inference"
+                  or m.startswith("fastattn.inference."))
+    assert "fastattn.inference.decoder" in graph  # the wing is there, and imports the model
+    assert "fastattn.model" in graph["fastattn.inference.decoder"]
+    assert wing == [], f"fastattn.model imports {direct}, which reach {wing}"
+
+
 def test_the_import_graph_sees_every_kind_of_import(tmp_path):
     # The graph test passes only if module_imports misses nothing: each form an import takes.
     package = tmp_path / "pkg"
@@ -275,8 +296,8 @@ except AttributeError as e:
     out = run_python(code)
     assert out.returncode == 0, out.stderr
     first, error = out.stdout.splitlines()
-    assert first.split()[:5] == ["fastattn.model", "fastattn.ops", "fastattn.translate.translator",
-                                 "fastattn.ensemble.ensemble", "True"]
+    assert first.split()[:5] == ["fastattn.model", "fastattn.ops", "fastattn.inference.translator",
+                                 "fastattn.inference.ensemble", "True"]
     assert error == "module 'fastattn' has no attribute 'no_such_name'"
 
 

@@ -1,5 +1,6 @@
-"""fastattn.pretrained: a tiny two-member ensemble, saved as fastattn.train saves its final model,
-exported into a temporary models directory, loaded back and checked against its model.json."""
+"""fastattn.inference.pretrained: a tiny two-member ensemble, saved as fastattn.train saves its
+final model, exported into a temporary models directory, loaded back and checked against its
+model.json."""
 
 import glob
 import json
@@ -11,7 +12,7 @@ import pytest
 import torch
 from test_translate import SENTENCES, make_checkpoint
 
-from fastattn import evaluate, pretrained, translate_command
+from fastattn import evaluate
 from fastattn.checkpoint import (
     CheckpointError,
     ensemble_checkpoints,
@@ -20,10 +21,11 @@ from fastattn.checkpoint import (
     save_checkpoint,
 )
 from fastattn.data import Truecaser, load_multi30k, multi30k_path, read_lines
-from fastattn.ensemble import Ensemble
+from fastattn.inference import pretrained, translate_command
+from fastattn.inference.ensemble import Ensemble
+from fastattn.inference.translator import Translator
 from fastattn.train.config import config_meta
 from fastattn.train.flags import parse_args
-from fastattn.translate import Translator
 
 NAME = "tiny-en-de"
 REPOSITORY = Path(__file__).resolve().parent.parent
@@ -235,8 +237,8 @@ def test_bad_flags_are_a_short_usage_and_one_error_line(args, error, capsys):
         pretrained.main(args)
     assert caught.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) <= 3 and lines[0].startswith("usage: python -m fastattn.pretrained")
-    assert lines[-1].startswith(f"python -m fastattn.pretrained: error: {error}")
+    assert len(lines) <= 3 and lines[0].startswith("usage: python -m fastattn.inference.pretrained")
+    assert lines[-1].startswith(f"python -m fastattn.inference.pretrained: error: {error}")
 
 
 def test_a_checkpoint_that_cannot_ship_is_one_error_line(run_dir, tmp_path, monkeypatch):

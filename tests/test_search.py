@@ -1,6 +1,6 @@
-"""fastattn.search: beam search against an exhaustive search and an independent per-sentence
-reference, native (fastattn._C) against the PyTorch step, beam 1 against greedy, the step_fn
-contract, and the CUDA sources compiling with nvcc."""
+"""fastattn.inference.search: beam search against an exhaustive search and an independent
+per-sentence reference, native (fastattn._C) against the PyTorch step, beam 1 against greedy, the
+step_fn contract, and the CUDA sources compiling with nvcc."""
 
 import math
 import os
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from fastattn import decoding
+from fastattn.inference import Decoder, native
+from fastattn.inference.search import Hypothesis, beam_search, greedy_search, length_penalty_table
 from fastattn.model import Transformer
-from fastattn.search import Hypothesis, beam_search, greedy_search, length_penalty_table
 
 BOS, EOS = 5, 1
 CSRC = Path(__file__).resolve().parents[1] / "csrc"
@@ -63,8 +63,8 @@ class ToyDecoder:
 
 
 def reference_beam_search(decoder, sentence, beam, max_len, penalty, nbest):
-    """The same rules as fastattn.search for one sentence at a time, in plain Python lists and
-    float32 arithmetic, stopping only at beam hypotheses or max_len (no bound)."""
+    """The same rules as fastattn.inference.search for one sentence at a time, in plain Python
+    lists and float32 arithmetic, stopping only at beam hypotheses or max_len (no bound)."""
     beams, finished = [([], np.float32(0))], []
     for t in range(1, max_len + 1):
         candidates = []
@@ -294,9 +294,9 @@ def test_transformer_beam_search_names_a_bos_or_eos_id_outside_the_vocabulary(mo
                                                                                native_loop):
     """BOS is an input of the decoder (ids below vocab_size), EOS an output (ids below the output
     vocabulary's size): the native loop raised a bare IndexError for a BOS outside."""
-    monkeypatch.setattr(decoding, "NATIVE_BEAM_SEARCH", native_loop)
+    monkeypatch.setattr(native, "NATIVE_BEAM_SEARCH", native_loop)
     torch.manual_seed(0)
-    net = Transformer.from_preset("tiny", vocab_size=50, output_vocab_size=40).eval()
+    net = Decoder(Transformer.from_preset("tiny", vocab_size=50, output_vocab_size=40).eval())
     src = torch.randint(4, 50, (2, 5))
     kwargs = dict(beam_size=2, max_len=4)
     for bos_id in (50, -1):

@@ -1,5 +1,6 @@
-"""fastattn.translate: the Translator and `python -m fastattn.translate` on a small random model
-with a real SentencePiece vocabulary, stored as a checkpoint the way fastattn.train stores it."""
+"""fastattn.inference.translator: the Translator and `python -m fastattn.translate` on a small
+random model with a real SentencePiece vocabulary, stored as a checkpoint the way fastattn.train
+stores it."""
 
 import io
 import itertools
@@ -11,10 +12,11 @@ import torch
 
 from fastattn import data
 from fastattn.checkpoint import load_checkpoint, save_checkpoint
+from fastattn.inference import Decoder
+from fastattn.inference.search import beam_search
+from fastattn.inference.translate_command import main
+from fastattn.inference.translator import Translator
 from fastattn.model import Transformer
-from fastattn.search import beam_search
-from fastattn.translate import Translator
-from fastattn.translate_command import main
 
 SENTENCES = [
     "A dog runs on the beach.",
@@ -75,15 +77,10 @@ def test_translator_matches_a_direct_beam_search(checkpoint):
     model, sp = translator.model, translator.sp
     sentence = SENTENCES[1]
     source = torch.tensor([sp.encode(sentence) + [sp.eos_id()]])
-    state = model.start_decoding(source)
-
-    def step_fn(tokens, reorder):
-        if reorder is not None:
-            state.reorder(reorder)
-        return model.decode_step(tokens[:, -1], state)
-
+    decoder = Decoder(model)
     (expected,) = beam_search(
-        step_fn, 1, beam_size=3, nbest=2, bos_id=sp.bos_id(), eos_id=sp.eos_id(),
+        decoder.step_fn(decoder.start(source)), 1, beam_size=3, nbest=2, bos_id=sp.bos_id(),
+        eos_id=sp.eos_id(),
         max_len=source.shape[1] + 7, alpha=0.6,
     )  # fmt: skip
     (found,) = translator.stream([sentence])

@@ -22,15 +22,15 @@ from test_translate import SHORT, make_checkpoint
 
 from fastattn import data, evaluate
 from fastattn.checkpoint import load_model
-from fastattn.train import evaluation
-from fastattn.translate import (
+from fastattn.inference.translate_command import main
+from fastattn.inference.translator import (
     MAX_SOURCE_LEN,
     SourceTruncatedWarning,
     Translation,
     Translator,
     UnreadableSourceWarning,
 )
-from fastattn.translate_command import main
+from fastattn.train import evaluation
 
 ENV = {**os.environ, "FASTATTN_BACKEND": "torch", "OMP_NUM_THREADS": "2"}
 SHORT_LINES = ["A dog runs on the beach.", "Two men are playing football.", "A woman."]
@@ -276,7 +276,7 @@ def test_a_read_only_file_system_is_one_error_line_and_the_lines_before_stay(
 
     written = TurnsReadOnly()
     real_open = open
-    monkeypatch.setattr("fastattn.translate_command.open",
+    monkeypatch.setattr("fastattn.inference.translate_command.open",
                         lambda path, *a, **k: written if str(path) == str(target)
                         else real_open(path, *a, **k), raising=False)
     with pytest.raises(SystemExit, match=f"^error: --output {target}: Read-only file system$"):

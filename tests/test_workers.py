@@ -1,6 +1,6 @@
-"""fastattn.workers (threads decoding batches at once) and the translator's workers, threads and
-precision: order, errors, the threads' counts, the GIL released by native decoding, and the same
-translations with two workers as with one."""
+"""fastattn.inference.workers (threads decoding batches at once) and the translator's workers,
+threads and precision: order, errors, the threads' counts, the GIL released by native decoding,
+and the same translations with two workers as with one."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import pytest
 import torch
 from test_translate import SENTENCES, SHORT, make_checkpoint
 
-from fastattn import decoding
-from fastattn.decoding import PRECISIONS
+from fastattn.inference import Decoder, native
+from fastattn.inference.native import PRECISIONS, NativeEngine
+from fastattn.inference.translate_command import main
+from fastattn.inference.translator import LONG_SOURCE, Translator
+from fastattn.inference.workers import Workers, choose
 from fastattn.model import Transformer
-from fastattn.translate import LONG_SOURCE, Translator
-from fastattn.translate_command import main
-from fastattn.workers import Workers, choose
 
 
 @pytest.fixture(scope="module")
@@ -139,23 +139,23 @@ def test_choose_is_a_one_thread_worker_per_core():
 @pytest.fixture
 def timed_native_search(monkeypatch):
     """A random multi30k-size model whose native beam search records (start, end) of each call."""
-    if not decoding.NATIVE_BEAM_SEARCH:
+    if not native.NATIVE_BEAM_SEARCH:
         pytest.skip("fastattn._C is not built: no native beam search")
     torch.manual_seed(0)
-    model = Transformer.from_preset("multi30k", vocab_size=8000, dropout=0.0).eval()
+    decoder = Decoder(Transformer.from_preset("multi30k", vocab_size=8000, dropout=0.0).eval())
     source = torch.randint(4, 8000, (8, 20))
     calls = []
-    native = decoding.native_beam_search
+    native_search = NativeEngine.beam_search
 
     def timed(*args, **kwargs):
         start = time.perf_counter()
-        native(*args, **kwargs)
+        native_search(*args, **kwargs)
         calls.append((start, time.perf_counter()))
 
-    monkeypatch.setattr(decoding, "native_beam_search", timed)
+    monkeypatch.setattr(NativeEngine, "beam_search", timed)
 
     def search(_=None):  # about 0.1 s on one thread of a 2023 Xeon: 40 steps of 32 rows
-        model.beam_search(source, beam_size=4, bos_id=1, eos_id=2, max_len=41)
+        decoder.beam_search(source, beam_size=4, bos_id=1, eos_id=2, max_len=41)
 
     search()  # the packed weights are built here, not in the timed calls
     calls.clear()
@@ -190,17 +190,16 @@ def test_two_workers_decode_at_once(timed_native_search):
 
 @pytest.fixture
 def decodings(monkeypatch):
-    """(method, thread name, precision keyword) of each Transformer.beam_search and
-    start_decoding call."""
+    """(method, thread name, precision) of each Decoder.beam_search and Decoder.start call."""
     seen = []
-    for name in ("beam_search", "start_decoding"):
-        original = getattr(Transformer, name)
+    for name in ("beam_search", "start"):
+        original = getattr(Decoder, name)
 
         def recorded(self, *args, name=name, original=original, **kwargs):
-            seen.append((name, threading.current_thread().name, kwargs.get("precision", "fp32")))
+            seen.append((name, threading.current_thread().name, self.precision))
             return original(self, *args, **kwargs)
 
-        monkeypatch.setattr(Transformer, name, recorded)
+        monkeypatch.setattr(Decoder, name, recorded)
     return seen
 
 
@@ -216,8 +215,8 @@ def test_two_workers_translate_as_one_does(checkpoint, decodings):
         decodings.clear()
         found = [[(t.text, t.tokens, t.score) for t in found] for found in two.stream(SENTENCES)]
         assert found == expected and len(expected[0]) == nbest
-        calls = [thread for method, thread, _ in decodings if method != "start_decoding"
-                 or beam == 1]  # a batch's one call: beam_search, or greedy's start_decoding
+        calls = [thread for method, thread, _ in decodings if method != "start"
+                 or beam == 1]  # a batch's one call: beam_search, or greedy's start
         assert len(calls) == 6 and all(name.startswith("fastattn-worker-") for name in calls)
     one = Translator.from_checkpoint(checkpoint, workers=1, threads=1, batch_tokens=1, **SHORT)
     default = Translator.from_checkpoint(checkpoint, batch_tokens=1, **SHORT)
@@ -261,14 +260,13 @@ def test_precision_is_checked_and_int8_is_the_models_int8_search(checkpoint, dec
         Translator.from_checkpoint(checkpoint, precision="int4")
     with pytest.raises(ValueError, match="workers must be an integer >= 1 or None, got 0"):
         Translator.from_checkpoint(checkpoint, workers=0)
-    # Needs Transformer.beam_search(..., precision=...) (issue 51): a TypeError until then.
     translator = Translator.from_checkpoint(checkpoint, precision="int8", beam_size=3, nbest=2,
                                             **SHORT)
     sp, model = translator.sp, translator.model
     source = torch.tensor([sp.encode(SENTENCES[1]) + [sp.eos_id()]])
-    [expected] = model.beam_search(source, beam_size=3, nbest=2, bos_id=sp.bos_id(),
-                                   eos_id=sp.eos_id(), max_len=source.shape[1] + 4, alpha=0.6,
-                                   precision="int8")
+    [expected] = Decoder(model, "int8").beam_search(
+        source, beam_size=3, nbest=2, bos_id=sp.bos_id(), eos_id=sp.eos_id(),
+        max_len=source.shape[1] + 4, alpha=0.6)
     decodings.clear()
     [found] = translator.stream([SENTENCES[1]])
     assert [(t.tokens + [sp.eos_id()], t.score) for t in found] == [
@@ -307,5 +305,5 @@ def test_command_line_flags(checkpoint, monkeypatch, capsys, decodings):
     for beam in ("1", "4"):
         decodings.clear()
         run_cli(monkeypatch, capsys, [*base, "--precision", "int8", "--beam", beam], SENTENCES)
-        called = "start_decoding" if beam == "1" else "beam_search"  # the translator's call
+        called = "start" if beam == "1" else "beam_search"  # the translator's call
         assert [p for method, _, p in decodings if method == called] == ["int8"] * 6

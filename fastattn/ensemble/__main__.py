@@ -5,7 +5,7 @@ from fastattn.cli import starting
 
 def main() -> None:
     with starting("ensemble"):
-        from fastattn.ensemble_command import main as ensemble
+        from fastattn.inference.ensemble_command import main as ensemble
     ensemble()
 
 

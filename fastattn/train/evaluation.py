@@ -11,10 +11,10 @@ import torch
 
 from fastattn import data, evaluate
 from fastattn._extras import MissingExtraError
-from fastattn.ensemble import Ensemble
+from fastattn.inference.ensemble import Ensemble
+from fastattn.inference.translator import Translator
 from fastattn.model import Transformer
 from fastattn.train.corpus import Split
-from fastattn.translate import Translator
 
 try:
     from tqdm import tqdm

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from fastattn import checkpoint, evaluate
-from fastattn.ensemble import Ensemble
+from fastattn.inference.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.train import savedir
 from fastattn.train.evaluation import bleu_scores, translate

@@ -5,7 +5,7 @@ from fastattn.cli import starting
 
 def main() -> None:
     with starting("translate"):
-        from fastattn.translate_command import main as translate
+        from fastattn.inference.translate_command import main as translate
     translate()
 
 

@@ -1,6 +1,6 @@
-"""python -m fastattn.translate, the command line (fastattn/translate.py describes it): its flags,
-input and output files, errors as one `error:` line, and the progress bar; the translating is
-fastattn.translate.Translator's."""
+"""python -m fastattn.translate, the command line (fastattn/inference/translator.py describes it):
+its flags, input and output files, errors as one `error:` line, and the progress bar; the
+translating is fastattn.Translator's."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import torch
 from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import CheckpointError
 from fastattn.cli import ArgumentParser, HelpFormatter
-from fastattn.decoding import PRECISIONS
-from fastattn.translate.translator import MAX_SOURCE_LEN, InputError, Translation, Translator
+from fastattn.inference.native import PRECISIONS
+from fastattn.inference.translator import MAX_SOURCE_LEN, InputError, Translation, Translator
 
 try:
     from tqdm import tqdm

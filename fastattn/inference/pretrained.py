@@ -9,8 +9,8 @@ Each lives in fastattn/models/<name>/ (package data, so `pip install .` carries 
 
 `load(name)` verifies model.pt against model.json before loading it (float32 in memory).
 
-    python -m fastattn.pretrained --checkpoint checkpoints/multi30k-en-de/checkpoint_final.pt \\
-        --name multi30k-en-de
+    python -m fastattn.inference.pretrained \\
+        --checkpoint checkpoints/multi30k-en-de/checkpoint_final.pt --name multi30k-en-de
 
 writes fastattn/models/multi30k-en-de/ from a trained checkpoint (docs/pretrained.md).
 """
@@ -41,7 +41,7 @@ from fastattn.checkpoint import (
 )
 from fastattn.cli import ArgumentParser, HelpFormatter
 
-MODELS = Path(__file__).resolve().parent / "models"
+MODELS = Path(__file__).resolve().parent.parent / "models"
 REPOSITORY = Path(__file__).resolve().parent.parent  # where `git rev-parse HEAD` is asked
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")  # a directory name that reads the same everywhere
 FLOAT16_MAX = torch.finfo(torch.float16).max
@@ -352,7 +352,7 @@ def _date(timestamp: float) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(
-        prog="python -m fastattn.pretrained", formatter_class=HelpFormatter,
+        prog="python -m fastattn.inference.pretrained", formatter_class=HelpFormatter,
         description="Write a trained checkpoint into the package as a shipped model, "
         f"{MODELS}/NAME/{{model.pt,model.json}}: float16 weights, no training state, its "
         "provenance and its dev and test BLEU measured on the weights it ships with "

@@ -1,6 +1,7 @@
 """Ensembles: Transformers sharing one vocabulary that translate together (not in the paper, which
-reports single models). python -m fastattn.ensemble (fastattn/ensemble_command.py) writes one
-checkpoint holding several.
+reports single models): Ensemble holds them (an ensemble checkpoint's state_dict), EnsembleDecoder
+decodes them as one model. python -m fastattn.ensemble (fastattn/inference/ensemble_command.py)
+writes one checkpoint holding several.
 
 The ensemble's next-token distribution is the mean of its M members' distributions,
 
@@ -19,9 +20,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from fastattn.decoding import DecodingState
+from fastattn.inference.decoder import Decoder
+from fastattn.inference.search import Hypothesis, LengthPenalty, beam_search
+from fastattn.inference.state import DecodingState
 from fastattn.model import Transformer
-from fastattn.search import Hypothesis, LengthPenalty, beam_search
 
 
 class EnsembleState:
@@ -36,8 +38,8 @@ class EnsembleState:
 
 
 class Ensemble(torch.nn.Module):
-    """Transformers with one vocabulary decoding as one model: the decoding interface of
-    Transformer (start_decoding, decode_step, beam_search), so Translator takes either."""
+    """Transformers with one vocabulary that decode as one model (EnsembleDecoder); its
+    state_dict is an ensemble checkpoint's (fastattn.checkpoint)."""
 
     def __init__(self, members: Sequence[Transformer]) -> None:
         super().__init__()
@@ -49,40 +51,47 @@ class Ensemble(torch.nn.Module):
                              f"got (vocabulary, output) sizes {sorted(sizes)}")
         self.members = torch.nn.ModuleList(members)
 
-    def start_decoding(self, src: Tensor, capacity: int | None = None,
-                       precision: str = "fp32") -> EnsembleState:
-        return EnsembleState([m.start_decoding(src, capacity, precision) for m in self.members])
 
-    def decode_step(self, tokens: Tensor, state: EnsembleState) -> Tensor:
+class EnsembleDecoder(Decoder):
+    """An Ensemble decoding as one model: fastattn.inference.Decoder's start, step, step_fn,
+    beam_search and greedy_search over the mean of the members' distributions, each member
+    decoded by its own Decoder in `precision`."""
+
+    def __init__(self, ensemble: Ensemble, precision: str = "fp32") -> None:
+        self.model, self.precision = ensemble, precision
+        self.members = [Decoder(m, precision) for m in ensemble.members]
+
+    def start(self, src: Tensor, capacity: int | None = None) -> EnsembleState:
+        return EnsembleState([m.start(src, capacity) for m in self.members])
+
+    def step(self, tokens: Tensor, state: EnsembleState) -> Tensor:
         """tokens (N,) -> log of the members' mean next-token probabilities (N, output_size)."""
-        states = zip(self.members, state.states, strict=True)
         total = None  # log Σ_m p_m, folded pairwise: 4x faster than logsumexp over a stack
-        for m, s in states:
-            logprobs = m.decode_step(tokens, s)
+        for member, s in zip(self.members, state.states, strict=True):
+            logprobs = member.step(tokens, s)
             total = logprobs if total is None else torch.logaddexp(total, logprobs)
         return total if len(self.members) == 1 else total.sub_(math.log(len(self.members)))
 
     @torch.inference_mode()
     def beam_search(self, src: Tensor, *, beam_size: int = 4, bos_id: int, eos_id: int,
                     max_len: int | Tensor, alpha: float = 0.6,
-                    length_penalty: LengthPenalty = "gnmt", nbest: int = 1,
-                    precision: str = "fp32") -> list[list[Hypothesis]]:
-        """fastattn.beam_search of src (B, S) over decode_step (one member: its own search);
-        precision as in Transformer.start_decoding, for every member."""
+                    length_penalty: LengthPenalty = "gnmt", nbest: int = 1
+                    ) -> list[list[Hypothesis]]:
+        """fastattn.beam_search of src (B, S) over step (one member: its own search)."""
         options = dict(beam_size=beam_size, bos_id=bos_id, eos_id=eos_id, alpha=alpha,
                        length_penalty=length_penalty, nbest=nbest)
         if len(self.members) == 1:
-            return self.members[0].beam_search(src, max_len=max_len, precision=precision,
-                                               **options)
+            return self.members[0].beam_search(src, max_len=max_len, **options)
         if src.shape[0] == 0:
             return []
         limits = max_len if isinstance(max_len, Tensor) else torch.full(
             (src.shape[0],), max_len, dtype=torch.long, device=src.device)
-        state = self.start_decoding(src, capacity=int(limits.max()), precision=precision)
+        state = self.start(src, capacity=int(limits.max()))
+        return beam_search(self.step_fn(state), src.shape[0], max_len=limits, **options)
 
-        def step_fn(tokens: Tensor, reorder: Tensor | None) -> Tensor:
-            if reorder is not None:
-                state.reorder(reorder)
-            return self.decode_step(tokens[:, -1], state)
 
-        return beam_search(step_fn, src.shape[0], max_len=limits, **options)
+def decoder_of(model: Transformer | Ensemble, precision: str = "fp32") -> Decoder:
+    """The Decoder of a Transformer, or the EnsembleDecoder of an Ensemble."""
+    if isinstance(model, Ensemble):
+        return EnsembleDecoder(model, precision)
+    return Decoder(model, precision)

@@ -1,5 +1,5 @@
 """python -m fastattn.ensemble: one checkpoint holding several models, which fastattn.translate
-decodes as a fastattn.ensemble.Ensemble."""
+decodes as a fastattn.Ensemble (fastattn/inference/ensemble.py)."""
 
 from __future__ import annotations
 

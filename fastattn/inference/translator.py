@@ -1,6 +1,6 @@
 """Translation with a trained checkpoint or a shipped model: fastattn.Translator, the library that
 `python -m fastattn.translate` serves. The command line described below lives in
-fastattn/translate_command.py, which fastattn/translate/__main__.py runs.
+fastattn/inference/translate_command.py, which fastattn/translate/__main__.py runs.
 
     python -m fastattn.translate (--checkpoint CKPT | --model NAME) [--beam 4] [--alpha A]
         [--max-len-a 1] [--max-len-b 50] [--max-source-len 1024] [--nbest N] [--batch-tokens N]
@@ -9,12 +9,12 @@ fastattn/translate_command.py, which fastattn/translate/__main__.py runs.
 
 Reads raw sentences, one per line, encodes them with the checkpoint's SentencePiece model, sorts
 a bounded window of them by length into batches of about --batch-tokens source tokens, decodes
-each batch with the cached decoder and beam search (Transformer.beam_search: one native call per
-batch on CPU), and writes the detokenized translations in input order as soon as they and every
-line before them are done: memory does not grow with the input. On CPU, --workers batches decode
-at once, each on its own thread with --threads intra-op threads (default: fastattn.workers.choose
-for the window's batch size and the cores); --precision int8 or bf16 decodes with int8 or
-bfloat16 weights and activations (the native CPU decoder).
+each batch with the cached decoder and beam search (fastattn.Decoder.beam_search: one native
+call per batch on CPU), and writes the detokenized translations in input order as soon as they
+and every line before them are done: memory does not grow with the input. On CPU, --workers
+batches decode at once, each on its own thread with --threads intra-op threads (default:
+fastattn.inference.workers.choose for the window's batch size and the cores); --precision int8
+or bf16 decodes with int8 or bfloat16 weights and activations (the native CPU decoder).
 Defaults are the paper's: beam 4, the GNMT length penalty with the α that fastattn.train chose
 on dev (stored in the checkpoint; else the paper's 0.6), at most source length + 50 tokens (the
 source length counts the EOS that ends it).
@@ -44,15 +44,16 @@ from pathlib import Path
 
 import torch
 
-from fastattn import backend, pretrained
+from fastattn import backend
 from fastattn._extras import MissingExtraError
 from fastattn.checkpoint import load_model
 from fastattn.data import Truecaser
-from fastattn.decoding import check_precision
-from fastattn.ensemble.ensemble import Ensemble
+from fastattn.inference import pretrained
+from fastattn.inference.ensemble import Ensemble, decoder_of
+from fastattn.inference.native import check_precision
+from fastattn.inference.search import LengthPenalty
+from fastattn.inference.workers import Workers, choose
 from fastattn.model import Transformer
-from fastattn.search import LengthPenalty, greedy_search
-from fastattn.workers import Workers, choose
 
 try:
     from tqdm import tqdm
@@ -114,17 +115,17 @@ class Translator:
     ...), from whose unknown tokens the model would invent a sentence; `on_unreadable(line)` is
     called with its line number (default: an UnreadableSourceWarning).
 
-    precision: the decoder's, one of fastattn.decoding.PRECISIONS (Transformer.start_decoding;
-    "int8" quantizes the weights once per model and needs the native CPU decoder). On CPU,
+    precision: the decoder's, one of fastattn.inference.native.PRECISIONS (fastattn.Decoder;
+    "int8" quantizes the weights once per translator and needs the native CPU decoder). On CPU,
     `workers` batches decode at once, each on its own thread with `threads` intra-op threads
-    (fastattn.workers.Workers); translations keep their order. None: given one, the other is
-    the cores (torch.get_num_threads() when the translator is made) over it; given neither,
-    each window's batches get fastattn.workers.choose(b, cores) for b the number of sentences
-    its batches hold on average, with no more workers than batches (the cores go to the
-    workers there are). Batches of sources longer than LONG_SOURCE tokens, a window's last,
-    decode after its others, with a choice of their own: they never take a worker from the
-    lines before them. One worker with the caller's thread count decodes in the caller's
-    thread; on a GPU that is the default.
+    (fastattn.inference.workers.Workers); translations keep their order. None: given one, the
+    other is the cores (torch.get_num_threads() when the translator is made) over it; given
+    neither, each window's batches get fastattn.inference.workers.choose(b, cores) for b the
+    number of sentences its batches hold on average, with no more workers than batches (the
+    cores go to the workers there are). Batches of sources longer than LONG_SOURCE tokens, a
+    window's last, decode after its others, with a choice of their own: they never take a
+    worker from the lines before them. One worker with the caller's thread count decodes in
+    the caller's thread; on a GPU that is the default.
     """
 
     def __init__(
@@ -178,6 +179,8 @@ class Translator:
         # before a word (piece_to_id gives unk_id for a piece the vocabulary lacks).
         self._textless = {sp.unk_id(), sp.piece_to_id("\u2581")}
         self.precision, self.workers, self.threads = precision, workers, threads
+        # Decodes every batch, on any worker: the native engine's packed weights are built once.
+        self.decoder = decoder_of(self.model, precision)
         self.cores = torch.get_num_threads()
         self._pools: dict[tuple[int, int], Workers] = {}
 
@@ -191,9 +194,9 @@ class Translator:
     def from_pretrained(
         cls, name: str, device: str | torch.device = "cpu", **options
     ) -> Translator:
-        """The translator of a model that ships with fastattn (fastattn.pretrained.names()),
-        its file checked against its model.json first; an unknown name is a ValueError that
-        lists the shipped ones."""
+        """The translator of a model that ships with fastattn
+        (fastattn.inference.pretrained.names()), its file checked against its model.json first;
+        an unknown name is a ValueError that lists the shipped ones."""
         return cls._from_loaded(*pretrained.load(name, device), **options)
 
     @classmethod
@@ -348,18 +351,10 @@ class Translator:
             length_penalty=self.length_penalty,
         )  # fmt: skip
         if self.beam_size > 1:
-            found = self.model.beam_search(source, beam_size=self.beam_size, nbest=self.nbest,
-                                           precision=self.precision, **options)
+            found = self.decoder.beam_search(source, beam_size=self.beam_size, nbest=self.nbest,
+                                             **options)
         else:
-            state = self.model.start_decoding(source, capacity=int(max_len.max()),
-                                              precision=self.precision)
-
-            def step_fn(tokens: torch.Tensor, reorder: torch.Tensor | None) -> torch.Tensor:
-                if reorder is not None:
-                    state.reorder(reorder)
-                return self.model.decode_step(tokens[:, -1], state)
-
-            found = [[h] if h else [] for h in greedy_search(step_fn, len(sources), **options)]
+            found = [[h] if h else [] for h in self.decoder.greedy_search(source, **options)]
         return [[self._translation(h.tokens, h.score) for h in hypotheses] for hypotheses in found]
 
     def _translation(self, tokens: list[int], score: float) -> Translation:
