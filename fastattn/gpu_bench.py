@@ -229,6 +229,8 @@ def fused_speed(check: Check) -> Cases:
 
 def training(check: Check) -> Cases:
     yield "--cuda-graphs updates = launch_step's", lambda: [graphs_match(check)]
+    yield "attention in a CUDA graph, its mask changed between replays", partial(
+        mask_replays, check)
     if check.quick:
         return
     for preset in ("base",) if check.dry_run else ("base", "big"):  # the same tiny model dry
@@ -334,7 +336,9 @@ def graphs_match(check: Check) -> dict[str, Any]:
     def batch(rows: int, src_len: int, tgt_len: int) -> tuple[torch.Tensor, ...]:
         src = torch.randint(4, cfg.vocab_size, (rows, src_len), generator=generator)
         tgt = torch.randint(4, cfg.vocab_size, (rows, tgt_len + 1), generator=generator)
-        src[-1, src_len // 2:] = tgt[-1, tgt_len // 2 + 1:] = cfg.pad_id  # padding too
+        # Padding too, its length drawn: a shape's replays read other masks than its capture.
+        src[-1, int(torch.randint(1, src_len, (), generator=generator)):] = cfg.pad_id
+        tgt[-1, int(torch.randint(2, tgt_len + 1, (), generator=generator)):] = cfg.pad_id
         return src, tgt[:, :-1], tgt[:, 1:]
 
     a, b = ((5, 7, 9), (16, 12, 13)) if not check.dry_run else ((2, 5, 6), (3, 9, 4))
@@ -364,3 +368,57 @@ def graphs_match(check: Check) -> dict[str, Any]:
     return dict(case="--cuda-graphs updates = launch_step's", shapes=len(graphed.micro_batches),
                 worst_rel_error=worst, update_rel_error=moved,
                 dropout_losses_differ=first != replayed, passed=passed)
+
+
+def mask_replays(check: Check) -> list[dict[str, Any]]:
+    """Attention forward and backward captured once in a CUDA graph (the dry run: called again),
+    then replayed with other masks copied into the captured one (other padding, a sentence all
+    padding, none padded): each replay equals an eager call with that mask, bit for bit (the
+    same kernels). A graph that read the mask of its capture, or a stale copy, differs."""
+    dev = check.device
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    b, h, length, d = (2, 2, 17, 16) if check.dry_run else (3, 4, 97, 64)
+    generator = torch.Generator().manual_seed(5)
+
+    def padding(lengths: list[int]) -> torch.Tensor:
+        return (torch.arange(length)[None] < torch.tensor(lengths)[:, None])[:, None, None].to(dev)
+
+    masks = {"the capture's": padding([length] + [length // 2] * (b - 1)),
+             "other padding": padding(torch.randint(1, length, (b,), generator=generator).tolist()),
+             "a sentence all padding": padding([0] + [length] * (b - 1)),
+             "none padded": padding([length] * b)}
+    q, k, v, grad = (torch.randn(b, h, length, d, generator=generator).to(dev, dtype)
+                     for _ in range(4))
+    static_mask = masks["the capture's"].clone()
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def step() -> list[torch.Tensor]:
+        out = ops.attention(*leaves, attn_mask=static_mask)
+        return [out, *torch.autograd.grad(out, leaves, grad)]
+
+    if dev.type == "cuda":
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):  # compiled and warmed on the capture stream first
+            step()
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = step()
+
+        def replay() -> list[torch.Tensor]:
+            graph.replay()
+            return [t.clone() for t in captured]
+    else:
+        replay = step
+    rows = []
+    for name, mask in masks.items():
+        static_mask.copy_(mask)
+        got = replay()
+        out = ops.attention(*leaves, attn_mask=mask)
+        want = [out, *torch.autograd.grad(out, leaves, grad)]
+        rows.append(dict(op="attention", variant=f"mask replayed: {name}", dtype=str(dtype),
+                         graphed=dev.type == "cuda",
+                         bitwise_equal=all(torch.equal(a, b)
+                                           for a, b in zip(got, want, strict=True))))
+    return rows

@@ -29,14 +29,31 @@ def test_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     assert all(stage["status"] == "ok" for stage in report["stages"].values()), report
     correctness = report["stages"]["correctness"]["rows"]
     ops = {row["op"] for row in correctness}
-    assert ops == {"attention", "layer_norm_residual", "label_smoothed_cross_entropy",
-                   "linear_cross_entropy", "relu_backward_bias", "embedding"}
+    assert ops == {"attention", "attention_packed", "layer_norm_residual",
+                   "label_smoothed_cross_entropy", "linear_cross_entropy", "relu_backward_bias",
+                   "embedding"}
     assert {row["dtype"] for row in correctness} == set(gpu_check.DTYPES)
     assert all(row["passed"] for row in correctness)
+    # The cases no GPU had checked, each run (interpreted) at the dry run's shapes.
+    variants = {row["variant"] for row in correctness}
+    assert {"fully masked rows: a sentence all padding", "dropout 0.1: self, key padding",
+            "dropout 0.1", "training mix: fp16 x + fp32 residual, x_bias, dropout 0.1, fp16 copy",
+            "training mix: fp32 weight, dropout 0.1, fp16 copy"} <= variants
+    assert all(row["backward"] == "_PackedAttentionBackward" for row in correctness
+               if row["op"] == "attention_packed" and row["dtype"] != "bf16")
+    assert all(row["zeros_there"] and row["finite"] for row in correctness if "empty_rows" in row)
+    assert all(row["fresh_mask"] for row in correctness if "keep_rate" in row)
     large = {row["variant"]: row for row in report["stages"]["large"]["rows"]}
     assert large["q and mask rows past 2**31 elements"]["bitwise_equal"] is True
+    assert large["k, v and dO rows past 2**31 elements"]["bitwise_equal"] is True
+    assert sum(row.get("passed") is True for row in large.values()) == 6  # the whole tensors
     assert all(row["bitwise_equal"] for row in report["stages"]["determinism"]["rows"])
     assert "## training: ok" in (tmp_path / "report.md").read_text()
+    replays = [row for row in report["stages"]["training"]["rows"]
+               if row.get("variant", "").startswith("mask replayed")]
+    assert len(replays) == 4 and all(row["bitwise_equal"] for row in replays)
+    sanitizer, = report["stages"]["sanitizer"]["rows"]
+    assert sanitizer["status"] == "not available (the dry run)" and sanitizer["workload_passed"]
 
 
 def test_a_failed_row_or_a_broken_stage_is_a_failure():
@@ -259,11 +276,19 @@ def test_quick_runs_each_stages_essentials(tmp_path):
         "attention, self, key padding", "attention, decoder, causal",
         "attention, cross, key padding", "layer_norm_residual, with residual",
         "layer_norm_residual, no residual", "cross-entropy, linear cross-entropy",
-        "relu_backward_bias", "embedding"]
+        "relu_backward_bias", "embedding",
+        # the cases never checked before, one each: their kernels are those above but dropout's
+        "attention_packed, self-attention", "attention, fully masked rows: a sentence all padding",
+        "attention, dropout: self, key padding", "layer_norm_residual, dropout",
+        "embedding, dropout", "layer_norm_residual, training mix", "embedding, training mix"]
     assert set(gpu_check.dtypes(check)) == {"fp16", "bf16", "fp32"}
+    assert gpu_check.dropout_dtypes(check) == ("bf16",)
     assert cases["attention"] == ["fastattn L=64 D=16 causal=False", "sdpa L=64 D=16 causal=False"]
     assert len(cases["fused"]) == 6  # three ops, each against eager
-    assert cases["training"] == ["--cuda-graphs updates = launch_step's"]
+    assert cases["training"] == ["--cuda-graphs updates = launch_step's",
+                                 "attention in a CUDA graph, its mask changed between replays"]
+    # the tensors past 2**31 elements and compute-sanitizer: the full profile's
+    assert not {"large", "sanitizer"} & set(gpu_check.QUICK_BUDGETS)
     # the stages, the warm-up, and five seconds to start each process (the warm-up's pool too)
     assert sum(gpu_check.QUICK_BUDGETS.values()) + gpu_check.WARM_BUDGETS[True] \
         + 5 * (len(gpu_check.QUICK_BUDGETS) + 1) <= 240
@@ -319,7 +344,62 @@ def test_a_warm_up_case_runs_the_real_stages_case(tmp_path):
                                True, str(tmp_path)) is None
     assert gpu_check.warm_case(gpu_check.correctness.__module__, "correctness", 99, "cpu", True,
                                True, str(tmp_path)) == "no case 99"
-    assert gpu_check.WARM_STAGES == ("correctness",)
+    assert gpu_check.WARM_STAGES == ("correctness", "sanitizer")
+    assert [case for case, _ in gpu_check.ragged_warm(
+        gpu_check.Check(torch.device("cpu"), True, tmp_path))] == ["ragged tails"]
     assert "--warm-workers" in subprocess.run(
         [sys.executable, "-m", "fastattn.gpu_check", "--help"], capture_output=True, text=True,
         timeout=300).stdout
+
+
+def test_the_full_profile_fits_twelve_minutes():
+    """Every stage's budget, the warm-up's, and five seconds to start each process: 11.4
+    minutes, the quick run's 4 leaving room in a 15-minute lease for the full run's first
+    stages at least."""
+    assert sum(budget for _, _, budget in gpu_check.STAGES) + gpu_check.WARM_BUDGETS[False] \
+        + 5 * (len(gpu_check.STAGES) + 1) <= 12 * 60
+
+
+def test_a_case_past_the_gpus_free_memory_is_skipped_with_its_reason(monkeypatch, capsys):
+    """A case needing more memory than the GPU has free says so (printed, and a row neither
+    passed nor failed); the CPU (the dry run's small sizes) never skips."""
+    check = gpu_check.Check(torch.device("cpu"), True, None)
+    assert gpu_check.memory_short(check, "case", 2**40) is None
+    check.device = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (40 * 2**30, 80 * 2**30))
+    rows = gpu_check.memory_short(check, "attention: q past 2**31 elements", 40 * 2**30)
+    assert rows == [{"case": "attention: q past 2**31 elements",
+                     "skipped": "needs about 48 GiB of GPU memory, 40 GiB free of 80"}]
+    assert "skipped: needs about 48 GiB" in capsys.readouterr().out
+    assert gpu_check.failures({"stages": {"large": {"status": "ok", "rows": rows}}}) == []
+    assert gpu_check.memory_short(check, "case", 30 * 2**30) is None
+    # Each whole-tensor case sized past 2**31 elements, its last unit (batch entry, row) wholly.
+    on_gpu = gpu_check.Check(torch.device("cuda"), False, None)
+    b = gpu_check.units_past(on_gpu, 16 * 97 * 64)
+    assert (b - 1) * 16 * 97 * 64 > 2**31
+    n = gpu_check.units_past(on_gpu, 1024, 16)
+    assert (n - 16) * 1024 > 2**31
+
+
+MEMCHECK_ERRORS = """========= COMPUTE-SANITIZER
+========= Invalid __global__ read of size 2 bytes
+=========     at _attn_fwd+0x1c30
+=========     by thread (5,0,0) in block (1,0,0)
+=========     Address 0x7f3c0000fffe is out of bounds
+ragged tails: 73 outputs and gradients, all finite
+========= ERROR SUMMARY: 3 errors
+"""
+
+
+def test_memcheck_output_gives_its_error_count_and_first_error():
+    row = gpu_check.memcheck_result(gpu_check.SANITIZER_EXIT, MEMCHECK_ERRORS)
+    assert (row["errors"], row["passed"]) == (3, False)
+    assert row["first_error"] == "Invalid __global__ read of size 2 bytes"
+    clean = gpu_check.memcheck_result(0, "========= COMPUTE-SANITIZER\nragged tails: ok\n"
+                                         "========= ERROR SUMMARY: 0 errors\n")
+    assert (clean["errors"], clean["first_error"], clean["passed"]) == (0, None, True)
+    crashed = gpu_check.memcheck_result(1, "Traceback ...\nRuntimeError: 2 of 73 outputs and "
+                                           "gradients not finite\n")
+    assert crashed["passed"] is False and crashed["errors"] is None
+    assert crashed["first_error"] == "RuntimeError: 2 of 73 outputs and gradients not finite"
