@@ -93,7 +93,7 @@ FASTATTN_INLINE void panel_range(const float *x, int64_t N, int64_t D, const flo
   for (; p < p1; ++p) panel_group<V, R, 1>(x, N, D, packed, bias, O, p, out, lse);
 }
 
-// AVX-512's 32 registers hold 12 rows × 2 panels of v16 accumulators, AVX2's 16 four rows × one
+// AVX-512's 32 registers hold 12 rows × 2 panels of v16 accumulators, AVX2's 16 six rows × one
 // panel of v8 pairs, SSE's 16 two rows × one panel of four v4.
 #ifdef FASTATTN_X86
 FASTATTN_TARGET_AVX512 void panels_avx512(const float *x, int64_t N, int64_t D, const float *packed,
@@ -104,7 +104,7 @@ FASTATTN_TARGET_AVX512 void panels_avx512(const float *x, int64_t N, int64_t D, 
 FASTATTN_TARGET_AVX2 void panels_avx2(const float *x, int64_t N, int64_t D, const float *packed,
                                       const float *bias, int64_t O, int64_t p0, int64_t p1,
                                       float *out, RowLse *lse) {
-  panel_range<v8, 4, 1>(x, N, D, packed, bias, O, p0, p1, out, lse);
+  panel_range<v8, 6, 1>(x, N, D, packed, bias, O, p0, p1, out, lse);
 }
 #endif
 void panels_scalar(const float *x, int64_t N, int64_t D, const float *packed, const float *bias,

@@ -8,7 +8,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <vector>
 
@@ -16,22 +18,33 @@ namespace fastattn {
 
 constexpr int64_t kPanel = 16;  // output features per panel: one 16-float vector
 
-// A row's running log-sum-exp, as in online softmax: the largest value seen and, in 16 lanes,
-// the sums of e^(x - max) over the values seen. The lanes are rescaled only when the maximum
-// grows (rarely after the first panels), so adding 16 values costs one vector exp and no
-// reduction. A NaN makes the sum NaN.
+// A row's running log-sum-exp, as in online softmax, kept per lane (column mod 16): each lane's
+// largest value so far and its sum of e^(x - that max). Lane by lane there is no horizontal
+// maximum per panel: adding 16 values is one vector exp per eight floats (one AVX register, two
+// SSE ones), and a second only where a lane's maximum grew. The lanes meet once, in value(). A NaN makes the sum
+// NaN; a lane that only sees -inf keeps max = -FLT_MAX and sum 0, so that it adds nothing
+// (e^(-inf - -inf) would be NaN).
 struct RowLse {
-  float max = -INFINITY;
-  v16 sum = {};
+  float max[kPanel], sum[kPanel];
+
+  RowLse() {
+    std::fill(max, max + kPanel, -FLT_MAX);
+    std::fill(sum, sum + kPanel, 0.0f);
+  }
 
   // Always inlined: a call would pass the vector in a register only some callers' targets have.
   FASTATTN_INLINE void add16(v16 a) {
-    const float m = max16(a);
-    if (m > max) {
-      sum *= exp_nonpositive(max - m);
-      max = m;
+    float values[kPanel];
+    std::memcpy(values, &a, sizeof values);
+    for (int half = 0; half < kPanel; half += 8) {
+      const v8 x = load8(values + half), m = load8(max + half);
+      if (any(x > m)) {  // rare after the first panels: rescale the lanes whose maximum grew
+        const v8 grown = x > m ? x : m;
+        store8(sum + half, load8(sum + half) * exp_nonpositive(m - grown));
+        store8(max + half, grown);
+      }
+      store8(sum + half, load8(sum + half) + exp_nonpositive(x - load8(max + half)));
     }
-    if (max != -INFINITY) sum += exp_nonpositive(a - max);
   }
 
   // A last panel's `width` values.
@@ -43,13 +56,19 @@ struct RowLse {
   }
 
   void merge(const RowLse &other) {
-    const float m = std::max(max, other.max);
-    if (m == -INFINITY) return;
-    sum = sum * exp_nonpositive(max - m) + other.sum * exp_nonpositive(other.max - m);
-    max = m;
+    for (int64_t l = 0; l < kPanel; ++l) {
+      const float m = std::max(max[l], other.max[l]);
+      sum[l] = sum[l] * exp_nonpositive(max[l] - m) + other.sum[l] * exp_nonpositive(other.max[l] - m);
+      max[l] = m;
+    }
   }
 
-  float value() const { return max + std::log(sum16(sum)); }
+  float value() const {
+    const float m = *std::max_element(max, max + kPanel);
+    float total = 0;
+    for (int64_t l = 0; l < kPanel; ++l) total += sum[l] * exp_nonpositive(max[l] - m);
+    return m + std::log(total);
+  }
 };
 
 // x[r, :] -= lse[r] for rows [begin, end) of O floats (packed_linear.cpp).

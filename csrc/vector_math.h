@@ -146,6 +146,13 @@ FASTATTN_INLINE v4 sum4x8(v8 a, v8 b, v8 c, v8 d) {
   return __builtin_shufflevector(ab, cd, 0, 1, 4, 5) + __builtin_shufflevector(ab, cd, 2, 3, 6, 7);
 }
 
+// Whether any lane of a comparison's result is set.
+FASTATTN_INLINE bool any(v8i mask) {
+  uint64_t words[4];
+  std::memcpy(words, &mask, sizeof words);
+  return (words[0] | words[1] | words[2] | words[3]) != 0;
+}
+
 FASTATTN_INLINE float max8(v8 a) {
   v4 m = __builtin_shufflevector(a, a, 0, 1, 2, 3);
   const v4 hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
