@@ -1,6 +1,6 @@
 """python -m fastattn.gpu_check: fastattn's self-check and benchmark on one CUDA GPU, in at most
-about 11½ minutes (--quick: 4), with only what such a machine has (CUDA torch and Triton;
-nothing downloaded).
+about 11½ minutes (--part 1 and --part 2: under 10 each; --quick: 4), with only what such a
+machine has (CUDA torch and Triton; nothing downloaded).
 
 First a pool of processes (one per CPU core) runs correctness's cases once, so that their kernels
 compile side by side into Triton's disk cache (the warm-up; --warm-workers). Then the stages run
@@ -60,6 +60,7 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -959,12 +960,13 @@ def past_row(check: Check, row: dict[str, Any], elements: int) -> Rows:
 
 def big_attention(check: Check) -> Rows:
     """q, k, v, dO and so the output, dq, dk, dv of more than 2**31 elements each (fp16, 4 GiB
-    each; 8 of them), key padding: the first and the last batch entry against fp64."""
+    each; 8 of them, and room for 4 more: heads-last copies), key padding: the first and the
+    last batch entry against fp64."""
     case = "attention: q, k, v, dO, out, dq, dk, dv past 2**31 elements"
     h, length, d = (16, 97, 64) if check.device.type == "cuda" else (2, 17, 16)
     b = units_past(check, h * length * d)
     elements = b * h * length * d
-    if skip := memory_short(check, case, 8 * 2 * elements):
+    if skip := memory_short(check, case, 12 * 2 * elements):
         return skip
     dev, dtype = check.device, torch.float16
     q, k, v, grad = (torch.randn(b, h, length, d, device=dev, dtype=dtype) for _ in range(4))
@@ -990,7 +992,7 @@ def big_packed(check: Check) -> Rows:
     h, length, d = (8, 97, 64) if check.device.type == "cuda" else (2, 17, 16)
     b = units_past(check, length * 3 * h * d)
     elements = b * length * 3 * h * d
-    if skip := memory_short(check, case, 2 * 2 * elements + 2 * 2 * elements // 3):
+    if skip := memory_short(check, case, 4 * 2 * elements):  # x, dx, out, dO, copies
         return skip
     dev, dtype = check.device, torch.float16
     x = torch.randn(b, length, 3 * h * d, device=dev, dtype=dtype)
@@ -1020,7 +1022,7 @@ def big_layer_norm(check: Check) -> Rows:
     rows = 16
     n = units_past(check, features, rows)
     elements = n * features
-    if skip := memory_short(check, case, 6 * 2 * elements):
+    if skip := memory_short(check, case, 8 * 2 * elements):  # and the sum's, a copy
         return skip
     dev, dtype = check.device, torch.float16
     x, r, dy = (torch.randn(n, features, device=dev, dtype=dtype) for _ in range(3))
@@ -1061,7 +1063,7 @@ def big_cross_entropy(check: Check) -> Rows:
     rows = 16
     n = units_past(check, vocab, rows)
     elements = n * vocab
-    if skip := memory_short(check, case, 2 * 2 * elements):
+    if skip := memory_short(check, case, 3 * 2 * elements):
         return skip
     dev, dtype = check.device, torch.float16
     logits = torch.randn(n, vocab, device=dev, dtype=dtype) * 3
@@ -1098,7 +1100,7 @@ def big_embedding(check: Check) -> Rows:
     length, vocab, d = (97, 37000, 512) if check.device.type == "cuda" else (17, 97, 16)
     b = units_past(check, length * d)
     elements = b * length * d
-    if skip := memory_short(check, case, 2 * 2 * elements):
+    if skip := memory_short(check, case, 3 * 2 * elements):
         return skip
     dev, dtype = check.device, torch.float16
     tokens = torch.randint(0, vocab, (b, length), device=dev)
@@ -1269,20 +1271,37 @@ def memcheck_rows(check: Check) -> Rows:
         command = [tool, "--tool", "memcheck", "--error-exitcode", str(SANITIZER_EXIT),
                    "--print-limit", "20", *command]
         env["PYTORCH_NO_CUDA_MEMORY_CACHING"] = "1"
-    result = subprocess.run(command, capture_output=True, text=True, env=env,
-                            timeout=seconds_left(check))
-    output = result.stdout + result.stderr
+    returncode, output = run_group(command, env, seconds_left(check))
     (check.out / "sanitizer.out").write_text(output)
+    if returncode is None:  # cut at the stage's deadline: what it found so far, if anything
+        row = memcheck_result(-1, output)
+        return [row | dict(status="cut at the stage's deadline", exit_code=None,
+                           passed=False if row["errors"] or any(
+                               "Invalid" in line for line in output.splitlines()) else None)]
     if tool is not None:
-        return [memcheck_result(result.returncode, output) | dict(status="ran")]
+        return [memcheck_result(returncode, output) | dict(status="ran")]
     said = [line.strip() for line in output.splitlines() if line.strip()]
     return [dict(tool="compute-sanitizer --tool memcheck",
                  status="not available" + (" (the dry run)" if check.dry_run else
                                            ": not on PATH nor in /usr/local/cuda*/bin"),
-                 exit_code=result.returncode, first_error=None if result.returncode == 0
+                 exit_code=returncode, first_error=None if returncode == 0
                  else (said[-1] if said else "nothing said"),
-                 workload_passed=result.returncode == 0,
-                 passed=None if result.returncode == 0 else False)]
+                 workload_passed=returncode == 0, passed=None if returncode == 0 else False)]
+
+
+def run_group(command: list[str], env: dict[str, str], timeout: float | None
+              ) -> tuple[int | None, str]:
+    """(exit code, stdout + stderr) of command run in a process group of its own; past timeout
+    the whole group (compute-sanitizer and the Python it runs) is killed: (None, what it said)."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        return process.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return None, output
 
 
 def sanitizer(check: Check) -> Cases:
@@ -1340,6 +1359,10 @@ STAGES: list[tuple[str, Callable[[Check], Cases], float]] = [
 # graphed training update against the eager one.
 QUICK_BUDGETS = {"environment": 10, "correctness": 75, "attention": 20, "fused": 20,
                  "training": 40, "registers": 10}
+# --part N: the full profile in two halves, each within one 10-minute command on a lent GPU
+# machine (benchmarks/gpu/check.sh's 590 s; the whole, 11½ minutes, is more than one).
+PARTS = {1: ("environment", "correctness", "determinism", "large", "attention"),
+         2: ("fused", "training", "decoding", "sanitizer", "registers")}
 
 
 # Before the stages: the cases of WARM_STAGES run once, spread over a pool of processes (one per
@@ -1548,7 +1571,11 @@ def main(argv: list[str] | None = None) -> None:
                              f"minutes): stages "
                              f"{', '.join(QUICK_BUDGETS)} with fewer cases (QUICK_BUDGETS)")
     parser.add_argument("--stages", help="comma-separated stages to run, in the order above "
-                                         "(default: all, or --quick's)")
+                                         "(default: all, or --quick's, or --part's)")
+    parser.add_argument("--part", type=int, choices=sorted(PARTS),
+                        help="half of the full profile, each within 10 minutes: "
+                             + "; ".join(f"{n}: {', '.join(stages)}"
+                                         for n, stages in PARTS.items()))
     parser.add_argument("--budget-scale", type=float, default=1.0,
                         help="multiplies every stage's time budget")
     parser.add_argument("--warm-workers", type=int, default=None, metavar="N",
@@ -1561,7 +1588,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     chosen = args.stages.split(",") if args.stages else list(
-        QUICK_BUDGETS if args.quick else (name for name, _, _ in STAGES))
+        QUICK_BUDGETS if args.quick else PARTS[args.part] if args.part
+        else (name for name, _, _ in STAGES))
     unknown = set(chosen) - {name for name, _, _ in STAGES}
     if unknown:
         parser.error(f"unknown stages {sorted(unknown)}; the stages are "

@@ -352,6 +352,18 @@ def test_a_warm_up_case_runs_the_real_stages_case(tmp_path):
         timeout=300).stdout
 
 
+def test_each_part_of_the_full_profile_fits_one_device_command():
+    """--part 1 and 2 together run every stage once, in order, each within benchmarks/gpu/
+    check.sh's 590 s: its stages' budgets, the warm-up's where it warms one, five seconds a
+    process start."""
+    names = [name for name, _, _ in gpu_check.STAGES]
+    assert [*gpu_check.PARTS[1], *gpu_check.PARTS[2]] == names
+    budgets = {name: budget for name, _, budget in gpu_check.STAGES}
+    for stages in gpu_check.PARTS.values():
+        warm = gpu_check.WARM_BUDGETS[False] if set(stages) & set(gpu_check.WARM_STAGES) else 0
+        assert sum(budgets[n] for n in stages) + warm + 5 * (len(stages) + 1) <= 590
+
+
 def test_the_full_profile_fits_twelve_minutes():
     """Every stage's budget, the warm-up's, and five seconds to start each process: 11.4
     minutes, the quick run's 4 leaving room in a 15-minute lease for the full run's first
@@ -403,3 +415,37 @@ def test_memcheck_output_gives_its_error_count_and_first_error():
                                            "gradients not finite\n")
     assert crashed["passed"] is False and crashed["errors"] is None
     assert crashed["first_error"] == "RuntimeError: 2 of 73 outputs and gradients not finite"
+
+
+FAKE_SANITIZER = """#!/bin/sh
+echo "========= COMPUTE-SANITIZER"
+echo "========= Invalid __global__ write of size 4 bytes"
+echo "=========     at _layer_norm_fwd_kernel+0x3a0"
+if [ -n "$HANG" ]; then sleep 60; fi
+echo "========= ERROR SUMMARY: 1 error"
+exit 86
+"""
+
+
+def test_a_sanitized_run_reports_its_errors_and_one_cut_short_keeps_them(tmp_path, monkeypatch):
+    """memcheck_rows with a stand-in compute-sanitizer: its errors fail the row, with the first
+    one named and the output kept; a run past the stage's deadline is killed with the process
+    it started (its process group), and what it printed before still fails the row."""
+    tool = tmp_path / "compute-sanitizer"
+    tool.write_text(FAKE_SANITIZER)
+    tool.chmod(0o755)
+    monkeypatch.setattr(gpu_check, "sanitizer_path", lambda: str(tool))
+    check = gpu_check.Check(torch.device("cuda"), False, tmp_path)
+    check.deadline = float("inf")
+    row, = gpu_check.memcheck_rows(check)
+    assert (row["status"], row["errors"], row["exit_code"], row["passed"]) == (
+        "ran", 1, gpu_check.SANITIZER_EXIT, False)
+    assert row["first_error"] == "Invalid __global__ write of size 4 bytes"
+    assert "ERROR SUMMARY" in (tmp_path / "sanitizer.out").read_text()
+    monkeypatch.setenv("HANG", "1")
+    monkeypatch.setattr(gpu_check, "seconds_left", lambda check: 1.0)
+    start = time.monotonic()
+    row, = gpu_check.memcheck_rows(check)
+    assert time.monotonic() - start < 30
+    assert row["status"] == "cut at the stage's deadline" and row["passed"] is False
+    assert row["first_error"] == "Invalid __global__ write of size 4 bytes"

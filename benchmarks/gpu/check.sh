@@ -6,6 +6,9 @@
 # extension (its CPU kernels do not matter on the GPU). It prints the versions first (a failure
 # names them), then the report lands under $OUT/gpu_check case by case; commit it as
 # benchmarks/gpu/<GPU name>.md. --quick is the 4-minute profile: a first look, a fix, a rerun.
+# The full profile (about 11½ minutes) is more than one 10-minute command: run it as two,
+# --part 1 (environment, correctness, determinism, large, attention) and --part 2 (fused,
+# training, decoding, sanitizer, registers), each under the timeout below.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 [ -e fastattn/kernels ] || ln -s ../kernels fastattn/kernels
