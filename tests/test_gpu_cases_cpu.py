@@ -3,7 +3,8 @@ on both backends, and under FASTATTN_BACKEND=triton TRITON_INTERPRET=1 on the Tr
 themselves. The packed backward into (B, L, 3·H·D) at lengths 1, 17 and 97 against fp64 with
 masks, fully padded sentences and grad_output != 1; dropout's keep rate and one mask forward
 and backward (attention, packed attention, rows allowed no key, LayerNorm and the embedding in
-the training mix of dtypes). Each test takes a few seconds interpreted."""
+the training mix of dtypes); keys, values, the output and its gradient with rows past 2**31
+elements. Each test takes a few seconds interpreted."""
 
 import pytest
 import torch
@@ -238,3 +239,35 @@ def test_embedding_training_mix_against_float64():
     own = _outputs_and_grads(reference, [weight.float()], [dy, dc], positions=positions.float())
     assert torch.equal(ours[1], ours[0].half())
     _grade(ours, exact, own, ["y", "copy", "dweight"])
+
+
+@pytest.mark.skipif(not implementation("attention", "cpu", torch.float16, True)
+                    .startswith("triton"), reason="runs the Triton kernels themselves, on CPU "
+                                                  "tensors only under the interpreter")
+def test_key_value_output_and_grad_rows_past_2_to_the_31_elements(seeded):
+    """Keys, values, the output and its gradient whose row 2 lies past element 2**31 of its
+    buffer (the row stride times the row index passes 2**31; gpu_check's far_rows for k, v
+    and dO): the kernels give what they give on compact tensors, bit for bit. The buffers are
+    virtual: only the rows the views cover are written."""
+    from fastattn.kernels import attention as kernels
+
+    length, row = 3, 2**30 + 64
+
+    def far_apart(compact):
+        buffer = torch.empty(row * (length - 1) + compact.shape[-1], dtype=compact.dtype)
+        return buffer.as_strided(compact.shape, (0, 0, row, 1)).copy_(compact)
+
+    q, k, v, grad_out = (torch.randn(1, 1, length, D, dtype=torch.float16) for _ in range(4))
+    mask = torch.tensor([[[[True, False, True]]]])
+    scale = D**-0.5
+    for causal in (None, "bottom_right"):
+        out, lse = kernels.attention_forward(q, k, v, mask, None, causal, 0.0, scale)
+        far_out, far_lse = kernels.attention_forward(q, far_apart(k), far_apart(v), mask, None,
+                                                     causal, 0.0, scale)
+        assert torch.equal(far_out, out) and torch.equal(far_lse, lse)
+        grads = kernels.attention_backward(grad_out, q, k, v, out, lse, mask, None, causal, 0.0,
+                                           scale)
+        far_grads = kernels.attention_backward(far_apart(grad_out), q, far_apart(k), far_apart(v),
+                                               far_apart(out), lse, mask, None, causal, 0.0,
+                                               scale)
+        assert all(torch.equal(a, b) for a, b in zip(far_grads, grads, strict=True))
