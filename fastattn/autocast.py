@@ -5,7 +5,7 @@ micro-batch (benchmarks/launches.py). batched_weight_casts makes the same copies
 multi-tensor copy per group of modules, forward and backward: the whole model on one process,
 a layer under DistributedDataParallel, so that each layer's gradients still arrive as soon as
 its backward is done (DDP overlaps their all-reduce with the rest;
-Transformer.weight_cast_groups). The values are autocast's: the same rounding either way.
+fastattn.fused_model.weight_cast_groups). The values are autocast's: the same rounding either way.
 """
 
 from __future__ import annotations

@@ -14,32 +14,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fastattn import ops
+from fastattn import fused_model, ops
 from fastattn.autocast import batched_weight_casts
 from fastattn.modules import ResidualLayerNorm
-from fastattn.ops.attention import attention_packed
-from fastattn.ops.embedding import embedding as fused_embedding
-from fastattn.ops.relu import relu_backward_bias
-from fastattn.rdrop import linear_rdrop_loss
-from fastattn.tokens import (
-    check_loss_args,
-    check_tokens,
-    non_padding,
-    rows,
-)
+from fastattn.ops.attention import attention_probabilities, merge_heads, split_heads
+from fastattn.tokens import check_loss_args, check_tokens, non_padding, rows
 
 __all__ = ["PRESETS", "Transformer", "TransformerConfig"]
 
 
-# ---------------------------------------------------------------------------------------------
-# Configuration
-# ---------------------------------------------------------------------------------------------
+# -- Configuration ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -75,8 +64,7 @@ class TransformerConfig:
             raise ValueError(f"d_model {self.d_model} is not divisible by heads {self.heads}; "
                              "set d_k and d_v explicitly")
         if self.positions not in ("sinusoidal", "learned"):
-            raise ValueError(f"positions must be 'sinusoidal' or 'learned', got "
-                             f"{self.positions!r}")
+            raise ValueError(f"positions must be 'sinusoidal' or 'learned', got {self.positions!r}")
         for name in ("dropout", "label_smoothing", "attention_dropout", "activation_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
@@ -137,9 +125,7 @@ PRESETS: dict[str, TransformerConfig] = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Building blocks, one per piece of section 3
-# ---------------------------------------------------------------------------------------------
+# -- Building blocks, one per piece of section 3 ------------------------------------------------
 
 
 def sinusoids(length: int, d_model: int) -> Tensor:
@@ -185,32 +171,8 @@ class Embedding(nn.Module):
 
     def forward(self, tokens: Tensor, start: int = 0) -> Tensor:
         """tokens (B, L) -> (B, L, d_model), the first token at position `start`."""
-        return self.stream(tokens, start, copy=False).x
-
-    def stream(self, tokens: Tensor, start: int = 0, copy: bool = True) -> Stream:
-        """forward(tokens, start) as the residual stream a stack starts from. Outside
-        PER_OP_DEVICES, with sinusoids, one fused op (fastattn.ops.embedding: one launch forward,
-        two backward), which with `copy` under autocast also writes the stream's copy for the
-        first layer's products (Stream); learned positions keep the ops one by one, which give
-        them their gradient."""
-        positions = self.positions(start, tokens.shape[1])
-        if tokens.device.type in PER_OP_DEVICES or hasattr(self, "learned_positions"):
-            x = F.embedding(tokens, self.weight) * self.scale + positions
-            return Stream(ops.dropout(x, self.dropout, self.training))
-        dtype = autocast_copy_dtype(self.weight) if copy else None
-        out = fused_embedding(tokens, self.weight, positions, self.scale,
-                              self.dropout if self.training else 0.0, copy_dtype=dtype)
-        return Stream(*out) if dtype is not None else Stream(out)
-
-
-def split_heads(x: Tensor, heads: int) -> Tensor:
-    """(B, L, h·d) -> (B, h, L, d), a view."""
-    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
-
-
-def merge_heads(x: Tensor) -> Tensor:
-    """(B, h, L, d) -> (B, L, h·d)."""
-    return x.transpose(1, 2).flatten(2)
+        x = F.embedding(tokens, self.weight) * self.scale + self.positions(start, tokens.shape[1])
+        return ops.dropout(x, self.dropout, self.training)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
@@ -225,28 +187,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
     return ops.attention(q, k, v, scale=d_k**-0.5, **kwargs)[..., :d_v]
 
 
-def packed_attention_applies(x: Tensor, widths: Sequence[int]) -> bool:
-    """Whether a sub-layer's attention on x runs as ops.attention.attention_packed on its
-    projection outputs, whose columns are `widths` wide (h·d_k for queries and keys, h·d_v for
-    values): outside PER_OP_DEVICES (its backward writes the gradients of q, k and v into one
-    buffer, sparing a concatenation per sub-layer: a launch on a GPU; a CPU keeps the ops one by
-    one) where d_k = d_v (no padding). attention_packed itself takes the separate views' path
-    where the PyTorch implementation runs."""
-    return x.device.type not in PER_OP_DEVICES and len(set(widths)) == 1
-
-
-def attention_probabilities(q: Tensor, k: Tensor, mask: Tensor | None = None,
-                            causal: bool = False) -> Tensor:
-    """The weights softmax(Q K^T / √d_k) of eq. 1, (B, h, Lq, Lk), for inspection and plots."""
-    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if causal:
-        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1),
-                                    float("-inf"))
-    return scores.softmax(dim=-1)
-
-
 class SelfAttention(nn.Module):
     """MultiHead(x, x, x) = Concat(head_1, ..., head_h) W^O with
     head_i = Attention(x W_i^Q, x W_i^K, x W_i^V) (3.2.2); the three projections are one matrix."""
@@ -257,26 +197,22 @@ class SelfAttention(nn.Module):
         self.split = (cfg.heads * cfg.key_dim, cfg.heads * cfg.key_dim, cfg.heads * cfg.value_dim)
         self.qkv = nn.Linear(cfg.d_model, sum(self.split))
         self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
-        self.fold_bias = not cfg.pre_norm
 
-    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False
-                ) -> tuple[Tensor, Tensor | None]:
-        """x (B, L, d_model), mask (B, 1, 1, L) bool True = attend -> (B, L, d_model) and the
-        output bias left to the LayerNorm (output_projection)."""
-        qkv = self.qkv(x)
-        dropout_p = self.dropout if self.training else 0.0
-        if packed_attention_applies(x, self.split):
-            out = attention_packed(qkv, heads=self.heads, attn_mask=mask, causal=causal,
-                                   dropout_p=dropout_p)
-        else:
-            q, k, v = (split_heads(t, self.heads) for t in qkv.split(self.split, dim=-1))
-            out = attention(q, k, v, attn_mask=mask, causal=causal, dropout_p=dropout_p)
-        return output_projection(self.out, merge_heads(out), self.fold_bias)
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """x (B, L, d_model), mask (B, 1, 1, L) bool True = attend -> (B, L, d_model)."""
+        return self.out(self.concat(x, mask, causal))
+
+    def concat(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """Concat(head_1, ..., head_h) (B, L, h·d_v)."""
+        q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
+        return merge_heads(attention(q, k, v, attn_mask=mask, causal=causal,
+                                     dropout_p=self.dropout if self.training else 0.0))
 
     def weights(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """softmax(Q K^T / √d_k) of forward(x, mask, causal) explicitly: (B, h, L, L)."""
         q, k, _ = (split_heads(t, self.heads) for t in self.qkv(x).split(self.split, dim=-1))
-        return attention_probabilities(q, k, mask, causal)
+        return attention_probabilities(q, k, attn_mask=mask, causal=causal)
+
 
 class CrossAttention(nn.Module):
     """MultiHead(x, memory, memory) (3.2.3): decoder queries over the encoder output."""
@@ -288,7 +224,6 @@ class CrossAttention(nn.Module):
         self.q = nn.Linear(cfg.d_model, cfg.heads * cfg.key_dim)
         self.kv = nn.Linear(cfg.d_model, sum(self.split))
         self.out = nn.Linear(cfg.heads * cfg.value_dim, cfg.d_model)
-        self.fold_bias = not cfg.pre_norm
 
     def split_kv(self, kv: Tensor) -> tuple[Tensor, Tensor]:
         """The kv projection's output (B, S, h·(d_k + d_v)) -> keys (B, h, S, d_k) and values
@@ -296,26 +231,23 @@ class CrossAttention(nn.Module):
         k, v = kv.split(self.split, dim=-1)
         return split_heads(k, self.heads), split_heads(v, self.heads)
 
-    def forward(self, x: Tensor, memory_kv: Tensor, memory_mask: Tensor | None
-                ) -> tuple[Tensor, Tensor | None]:
+    def forward(self, x: Tensor, memory_kv: Tensor, memory_mask: Tensor | None) -> Tensor:
         """x (B, T, d_model), memory_kv the kv projection of the memory (B, S, h·(d_k + d_v)),
-        keys then values (Transformer.memory_projections), mask (B, 1, 1, S) -> (B, T, d_model)
-        and the output bias left to the LayerNorm."""
-        dropout_p = self.dropout if self.training else 0.0
-        q = self.q(x)
-        if packed_attention_applies(x, self.split):
-            out = attention_packed(q, memory_kv, heads=self.heads, attn_mask=memory_mask,
-                                   dropout_p=dropout_p)
-        else:
-            out = attention(split_heads(q, self.heads), *self.split_kv(memory_kv),
-                            attn_mask=memory_mask, dropout_p=dropout_p)
-        return output_projection(self.out, merge_heads(out), self.fold_bias)
+        keys then values, mask (B, 1, 1, S) -> (B, T, d_model)."""
+        return self.out(self.concat(x, memory_kv, memory_mask))
+
+    def concat(self, x: Tensor, memory_kv: Tensor, memory_mask: Tensor | None) -> Tensor:
+        """Concat(head_1, ..., head_h) (B, T, h·d_v)."""
+        return merge_heads(attention(split_heads(self.q(x), self.heads), *self.split_kv(memory_kv),
+                                     attn_mask=memory_mask,
+                                     dropout_p=self.dropout if self.training else 0.0))
 
     def weights(self, x: Tensor, memory_kv: Tensor, memory_mask: Tensor | None) -> Tensor:
         """softmax(Q K^T / √d_k) of forward(x, memory_kv, memory_mask) explicitly:
         (B, h, T, S)."""
         return attention_probabilities(split_heads(self.q(x), self.heads),
-                                       self.split_kv(memory_kv)[0], memory_mask)
+                                       self.split_kv(memory_kv)[0], attn_mask=memory_mask)
+
 
 class FeedForward(nn.Module):
     """FFN(x) = max(0, x W_1 + b_1) W_2 + b_2 (eq. 2)."""
@@ -325,83 +257,9 @@ class FeedForward(nn.Module):
         self.dropout = cfg.activation_dropout
         self.w1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.w2 = nn.Linear(cfg.d_ff, cfg.d_model)
-        self.fold_bias = not cfg.pre_norm
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        """x (..., d_model) -> (..., d_model) and the output bias left to the LayerNorm."""
-        if x.device.type in PER_OP_DEVICES or not (
-                x.dtype == self.w1.weight.dtype == self.w1.bias.dtype):
-            h = F.relu(self.w1(x))
-        else:
-            h = _LinearReLU.apply(x.flatten(0, -2), self.w1.weight, self.w1.bias).view(
-                *x.shape[:-1], -1)
-        return output_projection(self.w2, ops.dropout(h, self.dropout, self.training),
-                                 self.fold_bias)
-
-
-class _LinearReLU(torch.autograd.Function):
-    """relu(x W^T + b) for 2-D x as one product with the bias and the ReLU in its epilogue
-    (cuBLASLt's on a GPU: one launch, not two; PyTorch gives _addmm_activation no autograd)."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        h = torch._addmm_activation(bias, x, weight.t())
-        ctx.save_for_backward(x, weight, h)
-        return h
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        x, weight, h = ctx.saved_tensors
-        # F.relu's own backward and the bias gradient in one launch; the bias has weight's
-        # dtype (FeedForward takes this form only then).
-        grad, bias_grad = relu_backward_bias(grad, h, weight.dtype)
-        return grad @ weight, grad.t() @ x, bias_grad
-
-
-class Stream(NamedTuple):
-    """The residual stream between sub-layers: x (float32 under autocast) and, in a post-norm
-    stack under autocast on a GPU, the copy of x in autocast's dtype that the LayerNorm kernel
-    wrote beside it for the next sub-layer's matrix products (sparing their cast, its backward
-    and the add of x's two gradients: three launches; ops.layer_norm_residual's copy_dtype)."""
-
-    x: Tensor
-    copy: Tensor | None = None
-
-    @property
-    def input(self) -> Tensor:
-        """What the next matrix products read: the copy if there is one."""
-        return self.x if self.copy is None else self.copy
-
-
-# Devices that run the model op by op, without the forms that spare GPU launches (LayerNorm's
-# copy of its output, one product for every decoder layer's memory keys and values, the
-# feed-forward's ReLU inside its first product, a sub-layer's output bias added and its gradient
-# summed by the LayerNorm kernels, attention's q, k and v gradients written into one buffer per
-# projection, packed_attention_applies): on a CPU a launch costs nothing, the copies
-# measured no faster (python -m scripts.measure_cast_savings), and the ops one by one keep the
-# recorded runs' numbers (tests/test_recorded_run.py).
-PER_OP_DEVICES = ("cpu",)
-
-
-def autocast_copy_dtype(x: Tensor) -> torch.dtype | None:
-    """The dtype of the LayerNorm's copy of its output x: the one autocast would cast float32 x
-    to for a matrix product, on a device outside PER_OP_DEVICES; else None."""
-    device = x.device.type
-    if (device in PER_OP_DEVICES or x.dtype != torch.float32
-            or not torch.is_autocast_enabled(device)):
-        return None
-    dtype = torch.get_autocast_dtype(device)
-    return None if dtype == torch.float32 else dtype
-
-
-def output_projection(linear: nn.Linear, x: Tensor, fold_bias: bool
-                      ) -> tuple[Tensor, Tensor | None]:
-    """A sub-layer's last linear map: (x W^T + b, None), or, with fold_bias outside
-    PER_OP_DEVICES, (x W^T, b) for the post-norm LayerNorm after it to add: its kernels sum b's
-    gradient in their backward, sparing the map's bias-gradient launch."""
-    if fold_bias and x.device.type not in PER_OP_DEVICES:
-        return F.linear(x, linear.weight), linear.bias
-    return linear(x), None
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(ops.dropout(F.relu(self.w1(x)), self.dropout, self.training))
 
 
 class AddNorm(nn.Module):
@@ -413,18 +271,11 @@ class AddNorm(nn.Module):
         self.pre_norm = cfg.pre_norm
         self.norm = ResidualLayerNorm(cfg.d_model, cfg.dropout)
 
-    def forward(self, x: Stream, sublayer: Callable[[Tensor], tuple[Tensor, Tensor | None]]
-                ) -> Stream:
-        """sublayer maps its input to its output and the bias of its last linear map if it left
-        that to the LayerNorm (output_projection)."""
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
         if self.pre_norm:
-            h = x.x
-            y, _ = sublayer(F.layer_norm(h, h.shape[-1:], self.norm.weight, self.norm.bias))
-            return Stream(h + ops.dropout(y, self.norm.dropout, self.training))
-        dtype = autocast_copy_dtype(x.x)
-        y, y_bias = sublayer(x.input)
-        out = self.norm(y, x.x, copy_dtype=dtype, x_bias=y_bias)
-        return Stream(*out) if dtype is not None else Stream(out)
+            y = sublayer(F.layer_norm(x, x.shape[-1:], self.norm.weight, self.norm.bias))
+            return x + ops.dropout(y, self.norm.dropout, self.training)
+        return self.norm(sublayer(x), x)
 
 
 class EncoderLayer(nn.Module):
@@ -437,7 +288,7 @@ class EncoderLayer(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.feed_forward_norm = AddNorm(cfg)
 
-    def forward(self, x: Stream, mask: Tensor) -> Stream:
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
         x = self.self_attention_norm(x, lambda h: self.self_attention(h, mask))
         return self.feed_forward_norm(x, self.feed_forward)
 
@@ -455,13 +306,14 @@ class DecoderLayer(nn.Module):
         self.feed_forward = FeedForward(cfg)
         self.feed_forward_norm = AddNorm(cfg)
 
-    def forward(self, x: Stream, memory_kv: Tensor, memory_mask: Tensor) -> Stream:
+    def forward(self, x: Tensor, memory_kv: Tensor, memory_mask: Tensor) -> Tensor:
         # Causal: position i sees positions <= i only (3.2.3). Target padding sits at the end,
         # so no real position ever sees it.
         x = self.self_attention_norm(x, lambda h: self.self_attention(h, causal=True))
         x = self.cross_attention_norm(x, lambda h: self.cross_attention(h, memory_kv,
                                                                         memory_mask))
         return self.feed_forward_norm(x, self.feed_forward)
+
 
 class Stack(nn.Module):
     """N identical layers; pre-norm stacks end with one more LayerNorm."""
@@ -471,18 +323,15 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList(layer(cfg) for _ in range(n))
         self.final_norm = nn.LayerNorm(cfg.d_model) if cfg.pre_norm else None
 
-    def forward(self, x: Tensor | Stream, *args, per_layer: Sequence = ()) -> Stream:
+    def forward(self, x: Tensor, *args, per_layer: Sequence = ()) -> Tensor:
         """x (B, L, d_model) -> the last layer's output; layer i is called with per_layer[i]
         (if given), then args."""
-        stream = x if isinstance(x, Stream) else Stream(x)
         for i, layer in enumerate(self.layers):
-            stream = layer(stream, *((per_layer[i],) if per_layer else ()), *args)
-        return stream if self.final_norm is None else Stream(self.final_norm(stream.x))
+            x = layer(x, *((per_layer[i],) if per_layer else ()), *args)
+        return x if self.final_norm is None else self.final_norm(x)
 
 
-# ---------------------------------------------------------------------------------------------
-# The model
-# ---------------------------------------------------------------------------------------------
+# -- The model --------------------------------------------------------------------------------
 
 
 class Transformer(nn.Module):
@@ -490,7 +339,8 @@ class Transformer(nn.Module):
 
     Training: ``model.loss(src, tgt_in, tgt_out)`` (the fused projection + label-smoothed loss,
     full logits never exist). Inference: ``model(src, tgt_in)`` gives logits; search and
-    incremental decoding: ``fastattn.Decoder(model).beam_search(src, ...)``."""
+    incremental decoding: ``fastattn.Decoder(model).beam_search(src, ...)`` (fastattn.inference).
+    On a GPU, loss and logits run the same computation in fewer launches (hidden)."""
 
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
@@ -522,57 +372,29 @@ class Transformer(nn.Module):
         """src (B, S) -> memory (B, S, d_model) and its padding mask (B, 1, 1, S)."""
         check_tokens("src", src, self.cfg.vocab_size)
         mask = self.padding_mask(src)
-        # The six memory projections read the float32 memory, so that their gradients sum in
-        # float32 (its copy under autocast goes unused).
-        return self.encoder(self.embedding.stream(src, copy=not self.cfg.pre_norm), mask).x, mask
+        return self.encoder(self.embedding(src), mask), mask
 
-    def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Stream:
-        """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model) as a Stream."""
+    def decode(self, tgt_in: Tensor, memory: Tensor, memory_mask: Tensor) -> Tensor:
+        """tgt_in (B, T), BOS first -> the decoder output (B, T, d_model)."""
         check_tokens("tgt_in", tgt_in, self.cfg.vocab_size)
-        x = self.embedding.stream(tgt_in, copy=not self.cfg.pre_norm)
-        return self.decoder(x, memory_mask, per_layer=self.memory_projections(memory))
+        memory_kv = [layer.cross_attention.kv(memory) for layer in self.decoder.layers]
+        return self.decoder(self.embedding(tgt_in), memory_mask, per_layer=memory_kv)
 
-    def memory_projections(self, memory: Tensor) -> list[Tensor]:
-        """Every decoder layer's cross-attention kv projection of memory (B, S, d_model),
-        (B, S, h·(d_k + d_v)), keys then values: one product with the layers' kv weights side by
-        side, whose backward sums the memory's gradient inside the product (on PER_OP_DEVICES
-        one product per layer, as before)."""
-        attentions = [layer.cross_attention for layer in self.decoder.layers]
-        if memory.device.type in PER_OP_DEVICES or len(attentions) < 2:
-            return [a.kv(memory) for a in attentions]
-        weights = torch.cat([a.kv.weight for a in attentions])
-        biases = torch.cat([a.kv.bias for a in attentions])
-        return list(F.linear(memory, weights, biases).split(
-            [a.kv.out_features for a in attentions], -1))
-
-    def memory_kv(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Every decoder layer's cross-attention keys (B, h, S, d_k) and values (B, h, S, d_v) of
-        memory (B, S, d_model): views into memory_projections."""
-        return [layer.cross_attention.split_kv(kv) for layer, kv in
-                zip(self.decoder.layers, self.memory_projections(memory), strict=True)]
-
-    def hidden(self, src: Tensor, tgt_in: Tensor) -> Stream:
-        """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model) as a Stream (its
-        .input for the output projection): encode, then decode, with autocast's weight casts
-        batched per layer (fastattn.autocast)."""
-        with batched_weight_casts(self.weight_cast_groups(), src.device.type):
+    def hidden(self, src: Tensor, tgt_in: Tensor, copy: bool = True) -> Tensor:
+        """src (B, S), tgt_in (B, T) -> the decoder output (B, T, d_model): encode, then decode,
+        with autocast's weight casts batched (fastattn.autocast). On a device where a launch
+        costs, in fastattn.fused_model's launch-saving forms; there `copy` gives the output's
+        copy in autocast's dtype where one exists, which the output projection reads."""
+        groups = fused_model.weight_cast_groups(self)
+        with batched_weight_casts(groups, src.device.type):
+            if fused_model.applies(src):
+                stream = fused_model.hidden(self, src, tgt_in)
+                return stream.input if copy else stream.x
             return self.decode(tgt_in, *self.encode(src))
-
-    def weight_cast_groups(self) -> list[list[nn.Module]]:
-        """The groups whose weights autocast casts together (fastattn.autocast). Under
-        torch.distributed one per layer, so that a layer's gradients are ready as soon as its
-        backward ends (DistributedDataParallel all-reduces them while the rest runs), and the
-        memory projections' first, as one: on a GPU they are one product, whose gradients come
-        at the end of the decoder's backward. Otherwise one group, the fewest launches."""
-        memory_kv = [layer.cross_attention.kv for layer in self.decoder.layers]
-        groups = [memory_kv, *([layer] for layer in (*self.encoder.layers, *self.decoder.layers))]
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            return groups
-        return [[module for group in groups for module in group]]
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """src (B, S), tgt_in (B, T) -> logits (B, T, cfg.output_size) for the next tokens."""
-        return F.linear(self.hidden(src, tgt_in).input, self.output_weight)
+        return F.linear(self.hidden(src, tgt_in), self.output_weight)
 
     @property
     def output_weight(self) -> Tensor:
@@ -583,45 +405,22 @@ class Transformer(nn.Module):
     def loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, *, reduction: str = "mean",
              return_nll: bool = False, tokens: int | None = None, every_position: bool = False
              ) -> Tensor | tuple[Tensor, Tensor]:
-        """The label-smoothed cross-entropy (ε_ls from the config) of tgt_out (B, T), tgt_in
-        shifted by one, over its non-padding tokens: "mean" per token or "sum". Projection and
-        loss are one fused op, so the (tokens × vocabulary) logits are never materialised.
-        With return_nll, also the unsmoothed negative log-likelihood reduced the same way
-        (without gradient; exp of its mean is the perplexity). `tokens`: tgt_out's non-padding
-        count if known, which spares a GPU a host sync (fastattn.tokens.non_padding).
-        every_position: project every position, padding too, which the loss then ignores: the
-        same value, with shapes that depend on the batch's shape alone (a CUDA graph's need;
-        fastattn.train.graphs), where by default padding costs no projection."""
+        """The label-smoothed cross-entropy (ε_ls) of tgt_out (B, T), tgt_in shifted by one, over
+        its non-padding tokens ("mean" per token or "sum"), projection and loss in one fused op:
+        the logits never exist. return_nll: also the unsmoothed NLL (no gradient). `tokens`:
+        tgt_out's non-padding count if known (spares a GPU a host sync). every_position: project
+        padding too, which the loss ignores: shapes fixed by the batch's (CUDA graphs)."""
         check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
-        hidden = self.hidden(src, tgt_in).input
+        hidden = self.hidden(src, tgt_in)
         if every_position:
             hidden, targets = hidden.flatten(0, 1), tgt_out.flatten()
         else:
             real = non_padding(tgt_out, self.cfg.pad_id, tokens)
             hidden, targets = rows(hidden, real), rows(tgt_out, real)
-        return ops.linear_cross_entropy(
-            hidden, self.output_weight, targets, smoothing=self.cfg.label_smoothing,
-            ignore_index=self.cfg.pad_id, reduction=reduction, return_nll=return_nll,
-        )
-
-    def rdrop_loss(self, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, alpha: float, *,
-                   reduction: str = "mean", return_nll: bool = False, tokens: int | None = None
-                   ) -> Tensor | tuple[Tensor, Tensor]:
-        """R-Drop (Liang et al., 2021): the batch passes through the model twice, under
-        different dropout masks, and the loss per target token is the mean of the two passes'
-        label-smoothed cross-entropies (as in loss()) plus α/4 · (KL(p1‖p2) + KL(p2‖p1)) of
-        their predictions (fastattn.rdrop). With return_nll, also the two passes' mean NLL;
-        `tokens` as in loss()."""
-        check_loss_args(tgt_in, tgt_out, reduction, self.cfg.output_size, self.cfg.pad_id)
-        hidden = self.hidden(torch.cat([src, src]), torch.cat([tgt_in, tgt_in])).x
-        real = non_padding(tgt_out, self.cfg.pad_id, tokens)
-        h1, h2 = (rows(h, real) for h in hidden.chunk(2))
-        loss, nll = linear_rdrop_loss(h1, h2, self.output_weight, rows(tgt_out, real),
-                                      smoothing=self.cfg.label_smoothing, alpha=alpha)
-        if reduction == "mean":
-            count = max(len(real), 1)
-            loss, nll = loss / count, nll / count
-        return (loss, nll) if return_nll else loss
+        return ops.linear_cross_entropy(hidden, self.output_weight, targets,
+                                        smoothing=self.cfg.label_smoothing,
+                                        ignore_index=self.cfg.pad_id, reduction=reduction,
+                                        return_nll=return_nll)
 
     @torch.no_grad()
     def attention_weights(self, src: Tensor, tgt_in: Tensor) -> dict[str, list[Tensor]]:
@@ -640,7 +439,7 @@ class Transformer(nn.Module):
             modules += [("decoder", layer.self_attention), ("cross", layer.cross_attention)]
         hooks = [m.register_forward_pre_hook(capture(k), with_kwargs=True) for k, m in modules]
         try:
-            self(src, tgt_in)
+            self.decode(tgt_in, *self.encode(src))  # the modules' own forward, on every device
         finally:
             for h in hooks:
                 h.remove()

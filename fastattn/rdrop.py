@@ -18,12 +18,43 @@ K12 = Σ_v p1 d and K21 = -Σ_v p2 d:
 
 The softmaxes, the KL term and the gradient of the logits are float32; the projections run in
 the autocast dtype where autocast is on (bf16 on CPUs), as in linear_cross_entropy.
+
+rdrop_loss is a fastattn.model.Transformer's loss with R-Drop (not the paper's): the trainer's
+--rdrop.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+from fastattn.tokens import check_loss_args, non_padding, rows
+
+if TYPE_CHECKING:
+    from fastattn.model import Transformer
+
+
+def rdrop_loss(model: Transformer, src: Tensor, tgt_in: Tensor, tgt_out: Tensor, alpha: float,
+               *, reduction: str = "mean", return_nll: bool = False, tokens: int | None = None
+               ) -> Tensor | tuple[Tensor, Tensor]:
+    """R-Drop (Liang et al., 2021): the batch passes through the model twice, under different
+    dropout masks, and the loss per target token is the mean of the two passes' label-smoothed
+    cross-entropies (as in model.loss) plus α/4 · (KL(p1‖p2) + KL(p2‖p1)) of their
+    predictions (linear_rdrop_loss). With return_nll, also the two passes' mean NLL; `tokens`
+    as in model.loss."""
+    cfg = model.cfg
+    check_loss_args(tgt_in, tgt_out, reduction, cfg.output_size, cfg.pad_id)
+    hidden = model.hidden(torch.cat([src, src]), torch.cat([tgt_in, tgt_in]), copy=False)
+    real = non_padding(tgt_out, cfg.pad_id, tokens)
+    h1, h2 = (rows(h, real) for h in hidden.chunk(2))
+    loss, nll = linear_rdrop_loss(h1, h2, model.output_weight, rows(tgt_out, real),
+                                  smoothing=cfg.label_smoothing, alpha=alpha)
+    if reduction == "mean":
+        count = max(len(real), 1)
+        loss, nll = loss / count, nll / count
+    return (loss, nll) if return_nll else loss
 
 CHUNK_ELEMENTS = 2**20  # logits per pass per chunk: four float32 buffers of 4 MB each
 

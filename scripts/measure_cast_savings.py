@@ -1,7 +1,8 @@
 """CPU step time of bf16 mixed-precision training with and without what spares autocast's casts
 on GPUs: fastattn.autocast.batched_weight_casts (one cast per layer of its weights), which the
-CPU runs too, and the LayerNorm kernels' bf16 copies of their outputs (fastattn.model.Stream),
-which it does not (fastattn.model.PER_OP_DEVICES), forced on here. One bench_train step
+CPU runs too, and the LayerNorm kernels' bf16 copies of their outputs
+(fastattn.fused_model.Stream), which it does not (fastattn.fused_model.PER_OP_DEVICES), forced on
+here. One bench_train step
 (forward, fused loss, backward, fused Adam) of a preset at the paper's batch per GPU, the
 variants taking turns in one process (in a rotating order).
 
@@ -21,11 +22,12 @@ import time
 
 import torch
 
+import fastattn.fused_model
 import fastattn.model
 from benchmarks import bench_train
 
-SHIPPED = {"batched_weight_casts": fastattn.model.batched_weight_casts,
-           "PER_OP_DEVICES": fastattn.model.PER_OP_DEVICES}
+HOMES = {"batched_weight_casts": fastattn.model, "PER_OP_DEVICES": fastattn.fused_model}
+SHIPPED = {attribute: getattr(home, attribute) for attribute, home in HOMES.items()}
 VARIANTS = {
     "fastattn": {},
     "autocast's weight casts": {"batched_weight_casts": lambda *a: contextlib.nullcontext()},
@@ -53,13 +55,13 @@ def main() -> None:
             for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 replaced = VARIANTS[name]
                 for attribute, shipped in SHIPPED.items():
-                    setattr(fastattn.model, attribute, replaced.get(attribute, shipped))
+                    setattr(HOMES[attribute], attribute, replaced.get(attribute, shipped))
                 started = time.perf_counter()
                 step()
                 times[name].append(time.perf_counter() - started)
     finally:
         for attribute, shipped in SHIPPED.items():
-            setattr(fastattn.model, attribute, shipped)
+            setattr(HOMES[attribute], attribute, shipped)
     medians = {name: statistics.median(t) for name, t in times.items()}
     for name, median in medians.items():
         print(f"{args.preset} {name}: {median:.4f} s per step (median of {args.rounds}), "

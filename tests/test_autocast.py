@@ -1,8 +1,8 @@
 """What spares autocast's casts gives autocast's loss and gradients bit for bit:
 fastattn.autocast.batched_weight_casts (one cast per layer of its weights; the parameters
 untouched and restored; nothing without autocast) and the LayerNorm kernels' copies of their
-outputs in autocast's dtype (fastattn.model.Stream). benchmarks/launches.py counts the launches
-they save on the CUDA path."""
+outputs in autocast's dtype (fastattn.fused_model.Stream). benchmarks/launches.py counts the
+launches they save on the CUDA path."""
 
 import contextlib
 from dataclasses import replace
@@ -13,10 +13,12 @@ from torch import nn
 
 import fastattn.autocast
 import fastattn.backend
+import fastattn.fused_model
 import fastattn.model
 import fastattn.ops
 from fastattn.autocast import batched_weight_casts
 from fastattn.model import Transformer, TransformerConfig
+from fastattn.rdrop import rdrop_loss
 
 TINY = TransformerConfig(vocab_size=53, encoder_layers=2, decoder_layers=2, d_model=32, d_ff=48,
                          heads=4, dropout=0.1, pad_id=0)
@@ -34,7 +36,7 @@ def loss_and_grads(model, rdrop, dtype=torch.bfloat16):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)  # the same dropout masks
     with torch.autocast("cpu", dtype):
-        loss = model.rdrop_loss(*batch(), 0.5, reduction="sum") if rdrop else \
+        loss = rdrop_loss(model, *batch(), 0.5, reduction="sum") if rdrop else \
             model.loss(*batch(), reduction="sum")
     (loss * 3.7).backward()  # a gradient that is not 1
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -80,7 +82,7 @@ def test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit(dtype, 
                                                                            monkeypatch):
     torch.manual_seed(0)
     model = Transformer(replace(TINY, pre_norm=pre_norm)).train()
-    monkeypatch.setattr(fastattn.model, "PER_OP_DEVICES", ())  # a GPU's path, on the CPU
+    monkeypatch.setattr(fastattn.fused_model, "PER_OP_DEVICES", ())  # a GPU's path, on the CPU
     copies = []
     layer_norm = fastattn.ops.layer_norm_residual
     monkeypatch.setattr(fastattn.ops, "layer_norm_residual", lambda *a, copy_dtype=None, **k: (
@@ -89,7 +91,7 @@ def test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit(dtype, 
     # Post-norm: every sub-layer's LayerNorm writes a copy (2 per encoder layer, 3 per decoder
     # layer); pre-norm stacks have no such LayerNorm.
     assert copies == ([] if pre_norm else [dtype] * 10)
-    monkeypatch.setattr(fastattn.model, "autocast_copy_dtype", lambda x: None)
+    monkeypatch.setattr(fastattn.fused_model, "autocast_copy_dtype", lambda x: None)
     plain, plain_grads = loss_and_grads(model, rdrop, dtype)
     assert torch.equal(copied, plain)
     for name, grad in copied_grads.items():
@@ -99,7 +101,7 @@ def test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit(dtype, 
 def test_no_layer_norm_copies_on_a_cpu():
     x = torch.randn(2, 3)
     with torch.autocast("cpu", torch.bfloat16):
-        assert fastattn.model.autocast_copy_dtype(x) is None
+        assert fastattn.fused_model.autocast_copy_dtype(x) is None
 
 
 def test_copies_shadow_the_parameters_only_inside_the_block():
@@ -136,9 +138,9 @@ def test_weights_cast_per_layer_under_torch_distributed_else_at_once(monkeypatch
     projections' group first, then one per layer, each module in exactly one group."""
     model = Transformer(TINY)
     layers = [*model.encoder.layers, *model.decoder.layers]
-    [whole] = model.weight_cast_groups()
+    [whole] = fastattn.fused_model.weight_cast_groups(model)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    memory_kv, *per_layer = model.weight_cast_groups()
+    memory_kv, *per_layer = fastattn.fused_model.weight_cast_groups(model)
     assert memory_kv == [layer.cross_attention.kv for layer in model.decoder.layers]
     assert per_layer == [[layer] for layer in layers]
     assert whole == memory_kv + layers

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-import fastattn.model
+import fastattn.fused_model
 from benchmarks import launches
 from fastattn.inference import native
 
@@ -377,7 +377,7 @@ def test_launch_counter_counts_the_cuda_path_of_one_update(monkeypatch):
     # read as float32) and the decoder's last (no residual after it: 2); so is each embedding's
     # output (3); and each feed-forward's ReLU runs apart from its product (a float32 input
     # beside bf16 weights), its backward and bias gradient apart too (2).
-    monkeypatch.setattr(fastattn.model, "autocast_copy_dtype", lambda x: None)
+    monkeypatch.setattr(fastattn.fused_model, "autocast_copy_dtype", lambda x: None)
     uncopied = launches.trace("tiny", sentences=3, length=5, vocab=500)["launches"]
     feed_forwards = cfg.encoder_layers + cfg.decoder_layers
     assert uncopied - r["launches"] == 3 * (norms - 2) + 2 + 3 * 2 + 2 * feed_forwards

@@ -1,12 +1,12 @@
 """fastattn.ops.embedding against the float64 PyTorch reference, on both backends, and the model's
-use of it (fastattn.model.Embedding.stream)."""
+use of it (fastattn.fused_model.embed)."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-import fastattn.model
+import fastattn.fused_model
 from fastattn.backend import implementation
 from fastattn.model import Transformer, TransformerConfig
 from fastattn.ops.embedding import _dropout_keep_mask, embedding, embedding_reference
@@ -181,7 +181,7 @@ def test_compiles_with_fullgraph():
         torch.testing.assert_close(a, e)
 
 
-# The model: Embedding.stream is what the stacks start from.
+# The model: fastattn.fused_model.embed is what the stacks start from on a GPU.
 
 CFG = TransformerConfig(vocab_size=53, encoder_layers=1, decoder_layers=1, d_model=32, d_ff=48,
                         heads=4, dropout=0.0)
@@ -193,10 +193,10 @@ def test_model_embedding_fused_equals_the_ops_one_by_one(positions, monkeypatch)
     model = Transformer(replace(CFG, positions=positions)).train()
     src = torch.randint(1, 53, (3, 7))
     results = []
-    for per_op in (("cpu",), ()):
-        monkeypatch.setattr(fastattn.model, "PER_OP_DEVICES", per_op)
+    for fused in (False, True):  # the plain module, then fastattn.fused_model's form of it
         model.zero_grad(set_to_none=True)
-        x = model.embedding(src, start=2)
+        x = (fastattn.fused_model.embed(model, src, start=2).x if fused
+             else model.embedding(src, start=2))
         (x * torch.linspace(-1, 1, 32)).sum().backward()
         results.append((x, [p.grad for p in model.embedding.parameters()]))
     (x, grads), (x_one, grads_one) = results
@@ -210,13 +210,13 @@ def test_model_embedding_fused_equals_the_ops_one_by_one(positions, monkeypatch)
 def test_model_stream_carries_the_copy_post_norm_under_autocast(pre_norm, monkeypatch):
     model = Transformer(replace(CFG, dropout=0.1, pre_norm=pre_norm)).train()
     src = torch.randint(1, 53, (2, 5))
-    monkeypatch.setattr(fastattn.model, "PER_OP_DEVICES", ())  # a GPU's path, on the CPU
+    monkeypatch.setattr(fastattn.fused_model, "PER_OP_DEVICES", ())  # a GPU's path, on the CPU
     calls = []
-    fused = fastattn.model.fused_embedding
-    monkeypatch.setattr(fastattn.model, "fused_embedding",
+    fused = fastattn.fused_model.fused_embedding
+    monkeypatch.setattr(fastattn.fused_model, "fused_embedding",
                         lambda *a, **k: calls.append(k["copy_dtype"]) or fused(*a, **k))
     with torch.autocast("cpu", torch.float16):
-        stream = model.embedding.stream(src, copy=not pre_norm)
+        stream = fastattn.fused_model.embed(model, src)
         model.loss(src, src[:, :-1], src[:, 1:])
     assert stream.x.dtype == torch.float32
     if pre_norm:
@@ -224,7 +224,7 @@ def test_model_stream_carries_the_copy_post_norm_under_autocast(pre_norm, monkey
     else:
         assert torch.equal(stream.copy, stream.x.half())
         assert calls == [torch.float16] * 3  # this call, then encode's and decode's
-    assert model.embedding.stream(src).copy is None  # without autocast
+    assert fastattn.fused_model.embed(model, src).copy is None  # without autocast
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the kernels themselves, under the interpreter")

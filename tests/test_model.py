@@ -9,11 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+import fastattn.fused_model
 import fastattn.inference.native
 import fastattn.model
 from fastattn.backend import implementation
 from fastattn.inference import Decoder
 from fastattn.model import PRESETS, Transformer, TransformerConfig, sinusoids
+from fastattn.rdrop import rdrop_loss
 
 V, PAD = 23, 0
 TINY = TransformerConfig(vocab_size=V, encoder_layers=2, decoder_layers=2, d_model=16, d_ff=24,
@@ -301,9 +303,7 @@ def test_attention_weights_are_the_ones_the_model_uses():
     _, _, v = attention.qkv(x).split(attention.split, dim=-1)
     heads = enc @ v.unflatten(-1, (2, -1)).transpose(1, 2)
     expected = attention.out(heads.transpose(1, 2).flatten(2))
-    out, out_bias = attention(x, model.padding_mask(src))
-    assert out_bias is None  # a CPU adds it in the product
-    torch.testing.assert_close(out, expected, **TOL)
+    torch.testing.assert_close(attention(x, model.padding_mask(src)), expected, **TOL)
 
 
 def test_loss_returns_the_unsmoothed_nll_too():
@@ -347,7 +347,7 @@ def test_loss_with_the_token_count_is_the_same_to_the_bit(rdrop):
     tgt = pad_after(tokens(3, 7, seed=2), [7, 2, 4])
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
     count = int((tgt_out != PAD).sum())
-    loss = (lambda **kw: model.rdrop_loss(src, tgt_in, tgt_out, 2.0, return_nll=True, **kw)
+    loss = (lambda **kw: rdrop_loss(model, src, tgt_in, tgt_out, 2.0, return_nll=True, **kw)
             ) if rdrop else (lambda **kw: model.loss(src, tgt_in, tgt_out, return_nll=True, **kw))
     params = list(model.parameters())
     results = []
@@ -398,7 +398,7 @@ def test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl(reduction):
     tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
     alpha = 3.0
     torch.manual_seed(5)
-    loss, nll = model.rdrop_loss(src, tgt_in, tgt_out, alpha, reduction=reduction,
+    loss, nll = rdrop_loss(model, src, tgt_in, tgt_out, alpha, reduction=reduction,
                                  return_nll=True)
     torch.manual_seed(5)
     logits = model(torch.cat([src, src]), torch.cat([tgt_in, tgt_in])).double()
@@ -423,7 +423,7 @@ def test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl(reduction):
     assert not nll.requires_grad
     params = list(model.parameters())
     torch.manual_seed(5)
-    grads = torch.autograd.grad(1.7 * model.rdrop_loss(src, tgt_in, tgt_out, alpha,
+    grads = torch.autograd.grad(1.7 * rdrop_loss(model, src, tgt_in, tgt_out, alpha,
                                                        reduction=reduction), params)
     expected_grads = torch.autograd.grad(1.7 * expected, params)
     for g, e in zip(grads, expected_grads, strict=True):
@@ -433,7 +433,7 @@ def test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl(reduction):
 def test_rdrop_loss_without_dropout_is_the_loss():
     model = make_model()  # eval: both passes are the same, so the KL term is zero
     src, tgt = tokens(2, 5), tokens(2, 6, seed=2)
-    torch.testing.assert_close(model.rdrop_loss(src, tgt[:, :-1], tgt[:, 1:], 5.0),
+    torch.testing.assert_close(rdrop_loss(model, src, tgt[:, :-1], tgt[:, 1:], 5.0),
                                model.loss(src, tgt[:, :-1], tgt[:, 1:]), atol=1e-5, rtol=1e-5)
 
 
@@ -452,7 +452,7 @@ def test_tied_embedding_scaled_by_sqrt_d_model():
     expected = model.embedding.weight[ids[0]] * 16**0.5 + sinusoids(4, 16)
     torch.testing.assert_close(model.embedding(ids)[0], expected)
     logits = model(ids, ids)
-    hidden = model.decode(ids, *model.encode(ids)).x
+    hidden = model.decode(ids, *model.encode(ids))
     torch.testing.assert_close(logits, hidden @ model.embedding.weight.T)
     assert sum("embedding" in n for n, _ in model.named_parameters()) == 1
 
@@ -574,7 +574,7 @@ def test_token_ids_outside_the_vocabulary_name_the_id_its_place_and_the_size():
                                          r"output vocabulary\), at \(batch 0, position 2\)"):
         model.loss(src, tgt, bad_tgt)
     with pytest.raises(ValueError, match=r"target 20 is out of range for 17 classes"):
-        model.rdrop_loss(src, tgt, bad_tgt, alpha=1.0)
+        rdrop_loss(model, src, tgt, bad_tgt, alpha=1.0)
     state = decoder.start(src)
     with pytest.raises(ValueError, match="decoder input token id 23 at row 1 is outside the "
                                          "vocabulary of 23"):
@@ -588,29 +588,33 @@ def test_token_ids_outside_the_vocabulary_name_the_id_its_place_and_the_size():
                                                                marks=pytest.mark.triton)])
 @pytest.mark.parametrize("cfg", [TINY, VARIANTS["d_k_ne_d_v"], replace(TINY, decoder_layers=3)])
 def test_the_gpu_forms_equal_the_ops_one_by_one(cfg, dtype, monkeypatch):
-    """What a GPU runs to spare launches (fastattn.model.PER_OP_DEVICES), forced on the CPU:
-    Transformer.memory_kv, every decoder layer's kv weights side by side in one product, gives
-    the keys and values of one product per layer, and with the feed-forward's ReLU in its first
-    product and attention on the packed projections (ops.attention.attention_packed, where
-    d_k = d_v: its backward writes q's, k's and v's gradients into one buffer) the loss and the
-    gradients of the ops one by one (float64: to rounding; float32: to float32's)."""
+    """What a GPU runs to spare launches (fastattn.fused_model, outside its PER_OP_DEVICES),
+    forced on the CPU: memory_projections, every decoder layer's kv weights side by side in one
+    product, gives the keys and values of one product per layer, and with the feed-forward's
+    ReLU in its first product and attention on the packed projections
+    (ops.attention.attention_packed, where d_k = d_v: its backward writes q's, k's and v's
+    gradients into one buffer) the loss and the gradients of the ops one by one (float64: to
+    rounding; float32: to float32's)."""
     model = make_model(replace(cfg, dropout=0.0)).to(dtype).train()
     src, tgt = pad_after(tokens(3, 7), [7, 4, 2]), pad_after(tokens(3, 6, seed=2), [6, 5, 3])
     packed_backward = []  # the backward each attention_packed call's output leads to
-    real_attention_packed = fastattn.model.attention_packed
+    real_attention_packed = fastattn.fused_model.attention_packed
 
     def attention_packed(*args, **kwargs):
         out = real_attention_packed(*args, **kwargs)
         packed_backward.append(type(out.grad_fn).__name__)
         return out
 
-    monkeypatch.setattr(fastattn.model, "attention_packed", attention_packed)
+    monkeypatch.setattr(fastattn.fused_model, "attention_packed", attention_packed)
     results = []
     for per_op in (("cpu",), ()):
-        monkeypatch.setattr(fastattn.model, "PER_OP_DEVICES", per_op)
+        monkeypatch.setattr(fastattn.fused_model, "PER_OP_DEVICES", per_op)
         model.zero_grad(set_to_none=True)
         memory, _ = model.encode(src)
-        kv = [t for pair in model.memory_kv(memory) for t in pair]
+        projections = ([layer.cross_attention.kv(memory) for layer in model.decoder.layers]
+                       if per_op else fastattn.fused_model.memory_projections(model, memory))
+        kv = [t for p, layer in zip(projections, model.decoder.layers, strict=True)
+              for t in layer.cross_attention.split_kv(p)]
         packed_backward.clear()
         loss = model.loss(src, tgt[:, :-1], tgt[:, 1:])
         (loss * 2.5).backward()

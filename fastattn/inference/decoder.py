@@ -31,14 +31,7 @@ from fastattn.inference.search import (
     greedy_search,
 )
 from fastattn.inference.state import DecodingState, gather_prefixes
-from fastattn.model import (
-    CrossAttention,
-    DecoderLayer,
-    SelfAttention,
-    Stream,
-    Transformer,
-    output_projection,
-)
+from fastattn.model import CrossAttention, DecoderLayer, SelfAttention, Transformer
 from fastattn.tokens import check_token_range, check_tokens, range_checked
 
 __all__ = ["Decoder", "encode", "step_attention"]
@@ -169,7 +162,8 @@ def encode(model: Transformer, src: Tensor) -> tuple[list[Tensor], list[Tensor],
     values of the encoder output, (B, h, S, d), and the padding mask (B, 1, 1, S), as
     NativeEngine.encode computes them."""
     memory, mask = model.encode(src)
-    pairs = model.memory_kv(memory)
+    pairs = [layer.cross_attention.split_kv(layer.cross_attention.kv(memory))
+             for layer in model.decoder.layers]
     return [k for k, _ in pairs], [v for _, v in pairs], mask
 
 
@@ -178,16 +172,16 @@ def decoder_layer_step(layer: DecoderLayer, x: Tensor, state: DecodingState, i: 
     (N, d_model), as DecoderLayer.forward computes that position."""
     k, v = state.self_k[i], state.self_v[i]
     history = state.history[:, : state.length + 1]
-    s = layer.self_attention_norm(Stream(x), lambda h: self_attention_step(
+    x = layer.self_attention_norm(x, lambda h: self_attention_step(
         layer.self_attention, h, k, v, history))
-    s = layer.cross_attention_norm(s, lambda h: cross_attention_step(
+    x = layer.cross_attention_norm(x, lambda h: cross_attention_step(
         layer.cross_attention, h, state.memory_k[i], state.memory_v[i], state.memory_bias,
         state.sentences))
-    return layer.feed_forward_norm(s, layer.feed_forward).x
+    return layer.feed_forward_norm(x, layer.feed_forward)
 
 
 def self_attention_step(attention: SelfAttention, x: Tensor, cache_k: Tensor, cache_v: Tensor,
-                        history: Tensor) -> tuple[Tensor, Tensor | None]:
+                        history: Tensor) -> Tensor:
     """x (N, d_model) at position t = history.shape[1] - 1; stores its key and value in cache
     row n (caches (rows, h, capacity, d)) at t and attends to row n's positions j <= t, held by
     cache rows history[n, j] -> (N, d_model), as SelfAttention.forward."""
@@ -197,12 +191,11 @@ def self_attention_step(attention: SelfAttention, x: Tensor, cache_k: Tensor, ca
     cache_v[:n, :, t] = v.view(n, heads, -1)
     out = step_attention(q.view(n, heads, 1, -1), gather_prefixes(cache_k, history),
                          gather_prefixes(cache_v, history))
-    return output_projection(attention.out, out.view(n, -1), attention.fold_bias)
+    return attention.out(out.view(n, -1))
 
 
 def cross_attention_step(attention: CrossAttention, x: Tensor, k: Tensor, v: Tensor,
-                         bias: Tensor | None, sentences: Tensor | None
-                         ) -> tuple[Tensor, Tensor | None]:
+                         bias: Tensor | None, sentences: Tensor | None) -> Tensor:
     """x (N, d_model) over per-sentence keys k (B, h, S, d_k), values and additive padding bias
     (B, 1, 1, S). Rows grouped by sentence (sentences=None, N = B·r) attend as r queries of
     their sentence, with no copy of k and v; otherwise row i reads sentence sentences[i]."""
@@ -215,8 +208,7 @@ def cross_attention_step(attention: CrossAttention, x: Tensor, k: Tensor, v: Ten
         k, v = k[sentences], v[sentences]
         bias = None if bias is None else bias[sentences]
     out = step_attention(q, k, v, bias)
-    return output_projection(attention.out, out.transpose(1, 2).reshape(n, -1),
-                             attention.fold_bias)
+    return attention.out(out.transpose(1, 2).reshape(n, -1))
 
 
 def step_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) -> Tensor:

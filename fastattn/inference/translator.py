@@ -386,28 +386,14 @@ class Translator:
             raise ValueError(f"layer must be in [0, {len(stack)}), got {layer}")
         source_ids = self._encode([sentence])[0]
         source = torch.tensor([source_ids], device=self.device)
-        if kind == "encoder":
-            module, run, target_ids = stack[layer].self_attention, model.encode, source_ids
+        if kind == "encoder":  # a decoder input is needed, unused: BOS
+            target_ids, target = source_ids, torch.tensor([[self.bos_id]], device=self.device)
         else:
             best = self._search([source_ids])[0]
             target_ids = (best[0].tokens if best else []) + [self.eos_id]
             target = torch.tensor([[self.bos_id, *target_ids[:-1]]], device=self.device)
-            module, run = stack[layer].cross_attention, lambda s: model(s, target)
-        # The fused attention op returns no weights: recompute them from the layer's inputs.
-        inputs = []
-        hook = module.register_forward_pre_hook(lambda _, args: inputs.append(args))
-        try:
-            run(source)
-        finally:
-            hook.remove()
-        if kind == "encoder":
-            q, k, _ = module.qkv(inputs[0][0]).split(module.split, dim=-1)
-            k = k[0].unflatten(-1, (module.heads, -1)).transpose(0, 1)
-        else:
-            x, memory_kv, _ = inputs[0]  # the memory's kv projection (B, S, h·(d_k + d_v))
-            q, k = module.q(x), module.split_kv(memory_kv)[0][0]  # keys (h, S, d_k)
-        q, k = q[0].unflatten(-1, (module.heads, -1)).transpose(0, 1).float(), k.float()
-        weights = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
+        # The fused attention op returns no weights: the model recomputes them.
+        weights = model.attention_weights(source, target)[kind][layer][0].float()
         pieces = self.sp.id_to_piece
         return pieces(target_ids), pieces(source_ids), weights.cpu()
 

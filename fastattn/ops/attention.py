@@ -225,12 +225,22 @@ def _backward(ctx, grad_out, grad_lse):
 _attention_forward_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def split_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """A projection's output (B, L, H·D) -> the heads (B, H, L, D) attention takes, a view."""
+    return x.unflatten(-1, (heads, -1)).transpose(1, 2)
+
+
+def merge_heads(x: torch.Tensor) -> torch.Tensor:
+    """Attention's output (B, H, L, D) -> (B, L, H·D), the heads side by side (Concat)."""
+    return x.transpose(1, 2).flatten(2)
+
+
 def _unpack(x: torch.Tensor, kv: torch.Tensor | None, heads: int
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (B, H, L, D) as views of attention_packed's inputs: x's thirds, without kv; else
     x, and kv's halves."""
     parts = x.chunk(3, -1) if kv is None else (x, *kv.chunk(2, -1))
-    return tuple(t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in parts)
+    return tuple(split_heads(t, heads) for t in parts)
 
 
 class _PackedAttention(torch.autograd.Function):
@@ -461,25 +471,34 @@ def _attention(q, k, v, causal, attn_mask, dropout_p, scale, packed=None):
 # ---------------------------------------------------------------------------------------------
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                        causal: bool | str = False, attn_mask: torch.Tensor | None = None,
-                        dropout_p: float = 0.0, scale: float | None = None,
-                        dropout_keep: torch.Tensor | None = None) -> torch.Tensor:
-    """The explicit math in the inputs' dtype (use fp64 for ground truth):
-    softmax(q k^T * scale + bias) masked to zero on fully masked rows, times dropout_keep / (1 - p)
-    when dropout_p > 0 (dropout_keep, a bool (B, H, Lq, Lk) mask, is then required), times v."""
+def attention_probabilities(q: torch.Tensor, k: torch.Tensor, *, causal: bool | str = False,
+                            attn_mask: torch.Tensor | None = None,
+                            scale: float | None = None) -> torch.Tensor:
+    """The attention weights softmax(q k^T * scale + bias) (B, H, Lq, Lk), masked to zero on
+    fully masked rows, explicitly in the inputs' dtype: the one reference of attention's
+    softmax (attention_reference, the model's and the drop-in's weights, decoding's explicit
+    step)."""
     alignment = CAUSAL_ALIGNMENTS[causal]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     lq, lk = q.shape[-2], k.shape[-2]
     s = (q @ k.transpose(-2, -1)) * scale
     mask = _allowed_mask(alignment, attn_mask, lq, lk, q.device)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-        empty = _empty_rows(mask)
-        # Softmax of an all -inf row is NaN, in its gradient too: give it finite scores first.
-        p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    else:
-        p = torch.softmax(s, dim=-1)
+    if mask is None:
+        return torch.softmax(s, dim=-1)
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    empty = _empty_rows(mask)
+    # Softmax of an all -inf row is NaN, in its gradient too: give it finite scores first.
+    return torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                        causal: bool | str = False, attn_mask: torch.Tensor | None = None,
+                        dropout_p: float = 0.0, scale: float | None = None,
+                        dropout_keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The explicit math in the inputs' dtype (use fp64 for ground truth):
+    attention_probabilities(q, k, ...) times dropout_keep / (1 - p) when dropout_p > 0
+    (dropout_keep, a bool (B, H, Lq, Lk) mask, is then required), times v."""
+    p = attention_probabilities(q, k, causal=causal, attn_mask=attn_mask, scale=scale)
     if dropout_p > 0:
         if dropout_keep is None:
             raise ValueError("attention_reference: dropout_p > 0 needs the dropout_keep mask")

@@ -1,6 +1,6 @@
 """fastattn.ops.relu: ReLU's backward fused with the bias gradient of the linear map before it,
 around kernels/relu.py's Triton kernel (whose docstring has the math). An internal building block
-of the model's feed-forward (fastattn.model._LinearReLU), not exported from fastattn.ops.
+of the model's feed-forward (fastattn.fused_model._LinearReLU), not exported from fastattn.ops.
 
 fastattn.backend.implementation("relu_backward_bias", ...) picks what runs: "torch" runs the
 PyTorch reference (threshold_backward, then a sum: two launches on a GPU); the others run the

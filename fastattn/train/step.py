@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from fastattn.model import Transformer
+from fastattn.rdrop import rdrop_loss
 
 
 def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
@@ -156,7 +157,7 @@ def train_step(
 
 
 class LossModule(torch.nn.Module):
-    """model.loss (or model.rdrop_loss with weight rdrop > 0) as a forward(), so that
+    """model.loss (or fastattn.rdrop.rdrop_loss with weight rdrop > 0) as a forward(), so that
     DistributedDataParallel can wrap it: the summed training loss and the summed NLL of a
     batch."""
 
@@ -173,7 +174,7 @@ class LossModule(torch.nn.Module):
         if self.rdrop:
             if every_position:
                 raise ValueError("R-Drop's loss projects the non-padding positions only")
-            return self.model.rdrop_loss(source, inputs, targets, self.rdrop, reduction="sum",
-                                         return_nll=True, tokens=tokens)
+            return rdrop_loss(self.model, source, inputs, targets, self.rdrop, reduction="sum",
+                              return_nll=True, tokens=tokens)
         return self.model.loss(source, inputs, targets, reduction="sum", return_nll=True,
                                tokens=tokens, every_position=every_position)
