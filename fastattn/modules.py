@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from fastattn import ops
+from fastattn.ops.attention import attention_probabilities, merge_heads, split_heads
 
 __all__ = [
     "LabelSmoothedCrossEntropy",
@@ -259,15 +260,13 @@ class MultiHeadAttention(nn.Module):
 
 
 def _split_heads(x: Tensor, heads: int, batch_first: bool) -> Tensor:
-    """(N, L, H·D) or (L, N, H·D) -> (N, H, L, D), a view."""
-    x = x.unflatten(-1, (heads, -1))
-    return x.permute(0, 2, 1, 3) if batch_first else x.permute(1, 2, 0, 3)
+    """(N, L, H·D) or (L, N, H·D) -> (N, H, L, D), a view (ops.attention.split_heads)."""
+    return split_heads(x if batch_first else x.transpose(0, 1), heads)
 
 
 def _merge_heads(x: Tensor, batch_first: bool) -> Tensor:
-    """(N, H, L, D) -> (N, L, H·D) or (L, N, H·D)."""
-    x = x.permute(0, 2, 1, 3) if batch_first else x.permute(2, 0, 1, 3)
-    return x.flatten(-2)
+    """(N, H, L, D) -> (N, L, H·D) or (L, N, H·D) (ops.attention.merge_heads)."""
+    return merge_heads(x) if batch_first else merge_heads(x).transpose(0, 1)
 
 
 def _attention_mask(
@@ -300,21 +299,10 @@ def _attention_mask(
 def _attention_with_weights(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, causal: bool, dropout_p: float
 ) -> tuple[Tensor, Tensor]:
-    """Attention that also returns its weights (N, H, L, S), after dropout as in torch."""
-    scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        else:
-            scores = scores + mask
-    if causal:
-        l, s = scores.shape[-2:]
-        future = torch.ones(l, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))
-    # A row with every key masked would be NaN; it attends to nothing instead (so does every
-    # row when S = 0, where amax has nothing to reduce).
-    empty = (scores == float("-inf")).all(dim=-1, keepdim=True)
-    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    """Attention that also returns its weights (N, H, L, S), after dropout as in torch: the
+    weights are ops.attention.attention_probabilities (a row with every key masked attends to
+    nothing)."""
+    weights = attention_probabilities(q, k, causal=causal, attn_mask=mask)
     if dropout_p > 0.0:
         weights = F.dropout(weights, dropout_p)
     return weights @ v, weights

@@ -89,8 +89,9 @@ def test_nan_in_a_query_row_gives_nan_in_that_row(at_every_cpu_isa, dtype, keys)
     assert torch.ops.fastattn.decode_attention(q, k[:1, :1], v[:1, :1], bias, 0.5).isnan().all()
 
 
-def test_step_attention_native_equals_explicit_product(at_every_cpu_isa):
-    """The model's two paths agree (the bias as the decoder keeps it, (G, 1, 1, L))."""
+def test_step_attention_native_equals_explicit_product(at_every_cpu_isa, monkeypatch):
+    """The model's two paths agree (the bias as the decoder keeps it, (G, 1, 1, L)): the native
+    op and the explicit product (ops.attention.attention_probabilities) other devices run."""
     q, k, v = inputs(3, 4, 2, 11, 16, 16, torch.float64)
     bias = torch.zeros(3, 1, 1, 11, dtype=torch.float64)
     bias[2, ..., 7:] = -math.inf
@@ -98,6 +99,8 @@ def test_step_attention_native_equals_explicit_product(at_every_cpu_isa):
     explicit = torch.matmul(
         (torch.matmul(q * 16**-0.5, k.transpose(-2, -1)) + bias).softmax(-1), v)
     torch.testing.assert_close(native, explicit, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(fastattn.inference.native, "NATIVE_STEP_ATTENTION", False)
+    torch.testing.assert_close(step_attention(q, k, v, bias), explicit, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ from fastattn.inference.search import (
 )
 from fastattn.inference.state import DecodingState, gather_prefixes
 from fastattn.model import CrossAttention, DecoderLayer, SelfAttention, Transformer
+from fastattn.ops.attention import attention_probabilities
 from fastattn.tokens import check_token_range, check_tokens, range_checked
 
 __all__ = ["Decoder", "encode", "step_attention"]
@@ -216,13 +217,10 @@ def step_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None = None) 
     its keys k (G, h, L, d_k) and values v (G, h, L, d_v), bias (G, 1, 1, L) additive (0 or -inf)
     or None. Its scores are a handful of rows, where the fused training op's checks and dispatch
     cost more than the arithmetic: on CPU it is one call into fastattn._C (float32, float64),
-    elsewhere the explicit product."""
-    scale = q.shape[-1] ** -0.5
+    elsewhere the explicit product (ops.attention.attention_probabilities: a row with no key
+    reads zeros, as in the native op)."""
     if native.NATIVE_STEP_ATTENTION and q.device.type == "cpu" and q.dtype in (torch.float32,
                                                                                 torch.float64):
         flat_bias = None if bias is None else bias.view(bias.shape[0], -1)
-        return torch.ops.fastattn.decode_attention(q, k, v, flat_bias, scale)
-    scores = torch.matmul(q * scale, k.transpose(-2, -1))
-    if bias is not None:
-        scores = scores + bias
-    return torch.matmul(scores.softmax(dim=-1), v)
+        return torch.ops.fastattn.decode_attention(q, k, v, flat_bias, q.shape[-1] ** -0.5)
+    return attention_probabilities(q, k, attn_mask=bias) @ v

@@ -43,13 +43,8 @@ class DecodingState:
     to sentences: row i of the first call belongs to sentence i // (N / B). ``reorder(rows)``
     (rows (N',) LongTensor: new row j continues old row rows[j]) reorders, duplicates or drops
     rows: the self-attention caches follow, and sentences no row refers to any more are dropped
-    from the encoder memory. Decoder.step_fn(state) is the step_fn of fastattn.beam_search::
-
-        state = decoder.start(src)
-        def step_fn(tokens, reorder):  # tokens (N, t), BOS first
-            if reorder is not None:
-                state.reorder(reorder)
-            return decoder.step(tokens[:, -1], state)
+    from the encoder memory. Decoder.step_fn(state), the step_fn of fastattn.beam_search,
+    reorders the state before each step.
     """
 
     def __init__(self, memory_k: list[Tensor], memory_v: list[Tensor], memory_mask: Tensor,
