@@ -98,6 +98,41 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"tests/conftest.py TRITON_TESTS names missing tests: {stale}")
 
 
+# pytest-xdist (./run test: -n 2 --dist loadfile) hands whole files to its workers in this order
+# (pytest_configure turns off its own, most tests first): the files that take longest first, so
+# that neither worker ends a pass alone on a long file while the other idles (xdist's order
+# started test_compile_report's cold compilations and the fault and gpu_check subprocess tests
+# among the last). Per pass, slowest first, from --durations on a 2-core Zen 4; the other files
+# follow, most tests first.
+SLOWEST_FIRST = {
+    "torch": ("test_train.py", "test_compile_report.py", "test_gpu_check.py",
+              "test_train_faults.py", "test_cross_entropy.py", "test_attention.py",
+              "test_search.py", "test_pretrained.py", "test_ensemble.py",
+              "test_translate_faults.py", "test_decode_attention.py", "test_modules.py"),
+    "triton": ("test_attention.py", "test_cross_entropy.py", "test_model.py",
+               "test_modules.py", "test_autocast.py", "test_layer_norm.py", "test_train.py",
+               "test_ensemble.py"),
+}
+
+
+class _SlowestFilesFirst:
+    @pytest.hookimpl(trylast=True)  # after -m and -k deselect: order what runs
+    def pytest_collection_modifyitems(self, config, items):
+        first = SLOWEST_FIRST["triton" if INTERPRETED else "torch"]
+        rank = {name: i for i, name in enumerate(first)}
+        count = {}
+        for item in items:
+            count[item.path.name] = count.get(item.path.name, 0) + 1
+        items.sort(key=lambda item: (rank.get(item.path.name, len(rank)),
+                                     -count[item.path.name], item.path.name))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_SlowestFilesFirst(), "fastattn-slowest-files-first")
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist >= 3.6: keep this order
+        config.option.loadscopereorder = False
+
+
 # fastattn._C's CPU kernels at every instruction-set level this CPU runs (FASTATTN_CPU_ISA), so that
 # an AVX-512 machine tests the AVX2 and scalar builds too; the interpreter pass, whose subject is
 # the Triton kernels, keeps the level in use.

@@ -4,7 +4,9 @@ sm_80 and sm_90 (Triton's bundled ptxas, no GPU needed), and attention's configu
 dims up to 128 spill no registers; a smaller one (--family-subset) for the other tile families,
 sm_86, 100 and 120, within their shared memory. FASTATTN_COMPILE_REPORT=full checks every
 configuration instead (minutes on 2 cores the first time; Triton's cache, ~/.triton/cache,
-makes later runs fast), as `python -m fastattn.kernels.compile_report` reports them."""
+makes later runs fast), as `python -m fastattn.kernels.compile_report` reports them. The sweep
+of every attention variant with the launchers' tiles guards tuning: CI compiles the model's
+variants, `./run test -m sweep` all of them (marker `sweep`)."""
 
 import importlib
 import json
@@ -194,8 +196,22 @@ def test_other_families_compile_within_their_shared_memory(tmp_path):
             and not (r["tcgen05"] if r["arch"] == 100 else r["mma"] and not r["wgmma"])] == []
 
 
+# The variants' compile sweep (benchmarks.attention_tiles --shipped): CI compiles the model's four
+# variants at its head dim (64, base and big) in fp16 for sm_80 and sm_90 (24 compilations); the
+# whole sweep, every variant at head dims 16 to 128 in fp16 and fp32 (960 compilations: 4 to 25
+# minutes on 2 cores with a cold Triton cache), guards tuning only and is marked `sweep`
+# (./run test -m sweep).
+VARIANT_SWEEPS = [
+    pytest.param(attention.MODEL_VARIANTS, ("64",), ("fp16",), id="the model's variants at d=64"),
+    pytest.param(tuple(attention.VARIANTS), ("16", "32", "64", "128"), ("fp16", "fp32"),
+                 id="every variant at d=16-128", marks=pytest.mark.sweep),
+]
+
+
 @pytest.mark.slow
-def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path):
+@pytest.mark.parametrize(("variants", "head_dims", "dtypes"), VARIANT_SWEEPS)
+def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path, variants, head_dims,
+                                                               dtypes):
     """compile_configs() compiles each entry in its heaviest variant, and ptxas does not allocate
     monotonically in the features (docs/benchmark-notes.md), so each of the 20 variants of
     kernels.attention.VARIANTS (no mask, key padding or a mask per query, bool or float, each
@@ -203,19 +219,18 @@ def test_every_variant_compiles_clean_with_the_launchers_tiles(tmp_path):
     with the tile the launchers pick for it (benchmarks.attention_tiles --shipped), at head dims
     16 to 128 in fp16 (bf16 compiled to the same registers in every case measured) and fp32
     (products in tf32): no spill, under the register cap, and on sm_90 every product on wgmma,
-    none on mma.sync (docs/benchmark-notes.md)."""
+    none on mma.sync (docs/benchmark-notes.md). CI: the model's variants at d=64 in fp16."""
     if not os.path.exists(_cuobjdump()):
         pytest.skip("Triton's bundled NVIDIA tools (ptxas, cuobjdump) are not installed")
     path = tmp_path / "tiles.json"
-    head_dims = ("16", "32", "64", "128")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     subprocess.run([sys.executable, "-m", "benchmarks.attention_tiles", "--shipped",
-                    "--head-dim", *head_dims, "--dtype", "fp16", "fp32", "--arch", *map(str, ARCHS),
-                    "--jobs", "2", "--json", str(path)],
+                    "--variant", *variants, "--head-dim", *head_dims, "--dtype", *dtypes,
+                    "--arch", *map(str, ARCHS), "--jobs", "2", "--json", str(path)],
                    env=env, check=True, timeout=1800, capture_output=True,
                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     rows = json.loads(path.read_text())
-    assert len(rows) == 2 * 3 * len(attention.VARIANTS) * len(head_dims) * len(ARCHS)
+    assert len(rows) == 3 * len(variants) * len(head_dims) * len(dtypes) * len(ARCHS)
     bad = [(r["name"], r["arch"], r["registers"], r["spill_bytes"]) for r in rows
            if r["spill_bytes"] or r["registers"] >= 255
            or (r["arch"] == 90 and (not r["wgmma"] or r["mma"]))]
