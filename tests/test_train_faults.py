@@ -94,18 +94,18 @@ def wait_for(condition, process, what, timeout=300):
 
 
 def test_a_second_trainer_is_refused_naming_the_first_and_a_killed_ones_lock_blocks_nothing(
-        tmp_path):
+        tmp_path, monkeypatch, capsys):
     paths = corpus(tmp_path, lines=40)
     save_dir = tmp_path / "run"
-    command = train_command(paths, save_dir, "--max-updates", 100000, "--save-every", 20)
+    command = train_command(paths, save_dir, "--max-updates", 100000, "--save-every", 2)
     first = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              env=TORCH_OPS)
     try:
-        wait_for(lambda: (save_dir / "checkpoint_00000020.pt").exists(), first, "checkpoint")
-        for flags in ([], ["--resume"], ["--overwrite"]):
-            second = run([*command, *flags])
-            assert second.returncode == 2
-            assert one_error_line(second.stderr) == (
+        wait_for(lambda: (save_dir / "checkpoint_00000002.pt").exists(), first, "checkpoint")
+        for flags in ([], ["--resume"], ["--overwrite"]):  # refused before anything runs
+            code, _, err = in_process([*command[3:], *flags], monkeypatch, capsys)
+            assert code == 2
+            assert one_error_line(err) == (
                 f"error: {save_dir} is in use by another trainer (pid {first.pid}, holding "
                 f"{save_dir / 'train.lock'}); wait for it to end or stop it, or give this run "
                 "another --save-dir")
@@ -120,7 +120,8 @@ def test_a_second_trainer_is_refused_naming_the_first_and_a_killed_ones_lock_blo
     assert "resumed from" in resumed.stdout
 
 
-def test_a_fresh_run_refuses_a_used_directory_and_resume_or_overwrite_go_on(finished, tmp_path):
+def test_a_fresh_run_refuses_a_used_directory_and_resume_or_overwrite_go_on(finished, tmp_path,
+                                                                          monkeypatch, capsys):
     paths = finished[0]
     save_dir = copy_of(finished, tmp_path)
     def contents():  # the lock file aside: it holds the pid of the trainer that last ran
@@ -128,17 +129,17 @@ def test_a_fresh_run_refuses_a_used_directory_and_resume_or_overwrite_go_on(fini
 
     before = contents()
     command = train_command(paths, save_dir, "--max-updates", 4, "--save-every", 2, "--seed", 7)
-    refused = run(command)
-    assert refused.returncode == 2
-    assert one_error_line(refused.stderr) == (
+    code, _, err = in_process(command[3:], monkeypatch, capsys)  # refused before anything runs
+    assert code == 2
+    assert one_error_line(err) == (
         f"error: {save_dir} holds another run's checkpoints (checkpoint_00000002.pt, "
         "checkpoint_00000004.pt, checkpoint_final.pt and 2 more); continue that run with "
         "--resume, or start this one in another --save-dir, or give --overwrite to delete them "
         "first")
     assert contents() == before  # nothing touched
 
-    both = run([*command, "--resume", "--overwrite"])
-    assert both.returncode == 2 and "give one of them" in both.stderr
+    code, _, err = in_process([*command[3:], "--resume", "--overwrite"], monkeypatch, capsys)
+    assert code == 2 and "give one of them" in err
 
     overwritten = run([*command, "--overwrite"])
     assert overwritten.returncode == 0, overwritten.stderr
@@ -154,20 +155,21 @@ def test_a_fresh_run_refuses_a_used_directory_and_resume_or_overwrite_go_on(fini
     assert sorted(losses(save_dir / "metrics.jsonl")) == [1, 2, 3, 4, 5, 6]
 
 
-def test_an_ensembles_member_directories_count_as_the_earlier_run(tmp_path):
+def test_an_ensembles_member_directories_count_as_the_earlier_run(tmp_path, monkeypatch, capsys):
     paths = corpus(tmp_path, lines=20)
     member = tmp_path / "run" / "member2"
     member.mkdir(parents=True)
     (member / "checkpoint_00000200.pt").write_bytes(b"whatever it holds")
-    refused = run(train_command(paths, tmp_path / "run"))
-    assert refused.returncode == 2
+    command = train_command(paths, tmp_path / "run")[3:]  # each refused before anything runs
+    code, _, err = in_process(command, monkeypatch, capsys)
+    assert code == 2
     assert "holds another run's checkpoints (member2/checkpoint_00000200.pt)" in \
-        one_error_line(refused.stderr)
+        one_error_line(err)
     # --resume with --members 1: no checkpoint of a single model to go on from, and starting
     # afresh would replace the ensemble's final model
-    refused = run([*train_command(paths, tmp_path / "run"), "--resume"])
-    assert refused.returncode == 2
-    assert one_error_line(refused.stderr) == (
+    code, _, err = in_process([*command, "--resume"], monkeypatch, capsys)
+    assert code == 2
+    assert one_error_line(err) == (
         f"error: {tmp_path / 'run'} holds another run's checkpoints (member2/"
         "checkpoint_00000200.pt) but no checkpoint that a single model can resume from (other "
         "--members?); give that run's flags, or start this one in another --save-dir, or give "
@@ -416,13 +418,19 @@ def test_resume_drops_torn_and_bad_metrics_lines_and_removes_its_stale_temporary
     assert sorted(losses(metrics)) == [1, 2, 3, 4, 5, 6]
 
 
+@pytest.fixture(scope="module")
+def reference_to_6(finished, tmp_path_factory) -> Path:
+    """The save directory of `finished`'s run trained uninterrupted to update 6."""
+    save_dir = tmp_path_factory.mktemp("reference") / "ref"
+    reference = run(train_command(finished[0], save_dir, "--max-updates", 6, "--save-every", 2))
+    assert reference.returncode == 0, reference.stderr
+    return save_dir
+
+
 @pytest.mark.parametrize("damage", ["corrupt", "averaged"])
 def test_resume_takes_the_newest_checkpoint_that_verifies_and_has_training_state(
-        finished, tmp_path, damage):
+        finished, reference_to_6, tmp_path, damage):
     paths = finished[0]
-    reference = run(train_command(paths, tmp_path / "ref", "--max-updates", 6,
-                                  "--save-every", 2))
-    assert reference.returncode == 0, reference.stderr
     save_dir = copy_of(finished, tmp_path)
     newest = save_dir / "checkpoint_00000004.pt"
     if damage == "corrupt":  # a flipped bit: resume goes back to update 2
@@ -450,21 +458,23 @@ def test_resume_takes_the_newest_checkpoint_that_verifies_and_has_training_state
         assert (save_dir / "checkpoint_00000005.pt.no-training-state").exists()
     assert f"resumed from {save_dir / f'checkpoint_{start:08d}.pt'} at update {start}" in \
         resumed.stdout
-    expected = losses(tmp_path / "ref" / "metrics.jsonl")
+    expected = losses(reference_to_6 / "metrics.jsonl")
     assert losses(save_dir / "metrics.jsonl") == expected  # as if nothing had happened
     for name in ("checkpoint_00000006.pt", "checkpoint_final.pt"):
-        ref = checkpoint.load_checkpoint(tmp_path / "ref" / name)["model"]
+        ref = checkpoint.load_checkpoint(reference_to_6 / name)["model"]
         got = checkpoint.load_checkpoint(save_dir / name)["model"]
         assert all(torch.equal(t, got[k]) for k, t in ref.items()), name
 
 
-def test_resume_refuses_when_no_checkpoint_can_resume_and_says_why(finished, tmp_path):
+def test_resume_refuses_when_no_checkpoint_can_resume_and_says_why(finished, tmp_path,
+                                                                   monkeypatch, capsys):
     save_dir = copy_of(finished, tmp_path)
     for path in checkpoint.list_checkpoints(save_dir):
         path.write_bytes(path.read_bytes()[:1000])
-    result = run(train_command(finished[0], save_dir, "--resume"))
-    assert result.returncode == 2
-    line = one_error_line(result.stderr)
+    code, _, err = in_process(train_command(finished[0], save_dir, "--resume")[3:], monkeypatch,
+                              capsys)
+    assert code == 2
+    line = one_error_line(err)
     assert line.startswith(f"error: no checkpoint in {save_dir} can resume the run: ")
     assert line.count("truncated or corrupt") == 2
 
