@@ -49,19 +49,18 @@ FASTATTN_INLINE void tile(const float *a, int64_t ai, int64_t ak, const float *b
   V acc[R][kVectors];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVectors; ++v) {
-      acc[r][v] = V{};
-      if (accumulate) std::memcpy(&acc[r][v], c + r * ldc + kWidth * v, sizeof(V));
+      acc[r][v] = accumulate ? load_as<V>(c + r * ldc + kWidth * v) : V{};
     }
   for (int64_t k = 0; k < K; ++k) {
     V bk[kVectors];
-    for (int v = 0; v < kVectors; ++v) std::memcpy(&bk[v], b + k * ldb + kWidth * v, sizeof(V));
+    for (int v = 0; v < kVectors; ++v) bk[v] = load_as<V>(b + k * ldb + kWidth * v);
     for (int r = 0; r < R; ++r) {
       const float x = a[r * ai + k * ak];
       for (int v = 0; v < kVectors; ++v) acc[r][v] += x * bk[v];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < kVectors; ++v) std::memcpy(c + r * ldc + kWidth * v, &acc[r][v], sizeof(V));
+    for (int v = 0; v < kVectors; ++v) store_as(c + r * ldc + kWidth * v, acc[r][v]);
 }
 
 // Rows of C R at a time, the remainder in halving tiles.
@@ -134,8 +133,7 @@ struct Head {
     for (int64_t c = 0; c < wq; c += kLanes) {
       v16 x = load16(s + c) * scale + key_bias;
       if (causal) {  // j <= i + shift
-        const v16i hidden = lane < static_cast<int32_t>(j - shift - i0 - c);
-        x = hidden ? v16{} - kInf : x;
+        x = if_less(lane, v16i{} + static_cast<int32_t>(j - shift - i0 - c), v16{} - kInf, x);
       }
       store16(s + c, x);
     }
@@ -165,10 +163,10 @@ FASTATTN_INLINE void forward_head(const Head &a, const float *k, const float *v,
       a.scores(i0, rows, wq, j, st + j * wq);
       for (int64_t c = 0; c < nv; ++c) {
         const v16 x = load16(st + j * wq + kLanes * c);
-        m[c] = x > m[c] ? x : m[c];
+        m[c] = if_greater(x, m[c], x, m[c]);
       }
     }
-    for (int64_t c = 0; c < nv; ++c) m[c] = m[c] > -kInf ? m[c] : v16{};  // rows with no key: 0s
+    for (int64_t c = 0; c < nv; ++c) m[c] = if_greater(m[c], v16{} - kInf, m[c], v16{});  // rows with no key: 0s
     for (int64_t j = 0; j < Lk; ++j)
       for (int64_t c = 0; c < nv; ++c) {
         float *x = st + j * wq + kLanes * c;
@@ -180,7 +178,7 @@ FASTATTN_INLINE void forward_head(const Head &a, const float *k, const float *v,
     // (a NaN in q, k or the bias) makes l NaN, and the row's output and lse NaN, as softmax's.
     v16 inv[V];
     for (int64_t c = 0; c < nv; ++c) {
-      inv[c] = l[c] == 0.0f ? v16{} : 1.0f / l[c];
+      inv[c] = if_equal(l[c], v16{}, v16{}, 1.0f / l[c]);
       for (int64_t r = 0; r < kLanes && kLanes * c + r < rows; ++r)
         lse[i0 + kLanes * c + r] = l[c][r] == 0 ? kInf : m[c][r] + std::log(l[c][r]);
     }
@@ -226,7 +224,7 @@ FASTATTN_INLINE void backward_head(const Head &a, const float *q, const float *k
         const int64_t at = j * wq + kLanes * c;
         v16 x = load16(pt + at) - load16(lse_rows + kLanes * c);
         // Recomputed scores may exceed lse by a rounding error; a NaN (NaN lse) stays NaN.
-        x = x > 0.0f ? v16{} : x;
+        x = if_greater(x, v16{}, v16{}, x);
         const v16 p = exp_nonpositive(x);
         v16 dp = load16(dst + at);
         if (a.dropout.on) {  // z_ij = keep_ij / (1 - p): dp_ij z_ij, and pz_ij = p_ij z_ij

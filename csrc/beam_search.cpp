@@ -67,7 +67,7 @@ FASTATTN_INLINE bool offer_row_body(const float *row, int64_t vocab, float base,
     v16 most = v16{} - INFINITY, sum = {};
     for (int64_t v = v0; v < v0 + kChunk; v += 16) {
       const v16 x = load16(row + v);
-      most = x > most ? x : most;
+      most = if_greater(x, most, x, most);
       sum += x;
     }
     const float chunk_max = max16(most), chunk_sum = sum16(sum);

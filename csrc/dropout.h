@@ -63,7 +63,7 @@ struct Dropout {
   FASTATTN_INLINE v16 scale16(v16u keys, int64_t col) const {
     const v16u bits = mix32(keys + static_cast<uint32_t>(col));
     const v16 u = __builtin_convertvector((v16i)(bits >> 8), v16) * (1.0f / 16777216.0f);
-    return u >= p ? v16{} + scale : v16{};
+    return if_greater_equal(u, v16{} + p, v16{} + scale, v16{});
   }
 
   // y = x · keep / (1 - p) over columns 0 .. n - 1 of the row keyed `key`; y may be x.

@@ -30,8 +30,7 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
   for (int64_t d = 0; d < D; ++d) {
     V w[kVectors];
     for (int q = 0; q < kVectors; ++q)
-      std::memcpy(&w[q], panel + ((q / kSplit) * D + d) * kPanel + (q % kSplit) * kWidth,
-                  sizeof(V));
+      w[q] = load_as<V>(panel + ((q / kSplit) * D + d) * kPanel + (q % kSplit) * kWidth);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * D + d];
       for (int q = 0; q < kVectors; ++q) acc[r][q] += xv * w[q];

@@ -27,6 +27,20 @@ FASTATTN_INLINE void store8(float *p, v8 a) { *reinterpret_cast<v8 *>(p) = a; }
 FASTATTN_INLINE v16 load16(const float *p) { return *reinterpret_cast<const v16 *>(p); }
 FASTATTN_INLINE void store16(float *p, v16 a) { *reinterpret_cast<v16 *>(p) = a; }
 
+// A vector V of floats read or written at any alignment, through a local copy: arrays of them then
+// stay in registers, where GCC 12 kept an array filled by memcpy straight into its elements
+// on the stack (AVX2's matrix-product accumulators: a load and a store per multiply-add).
+template <typename V>
+FASTATTN_INLINE V load_as(const float *p) {
+  V x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+template <typename V>
+FASTATTN_INLINE void store_as(float *p, V x) {
+  std::memcpy(p, &x, sizeof x);
+}
+
 typedef uint16_t v8h __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t v8u __attribute__((vector_size(32), aligned(4)));
 
@@ -170,7 +184,36 @@ FASTATTN_INLINE v8 low8(v16 a) {
 FASTATTN_INLINE v8 high8(v16 a) {
   return __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
 }
-FASTATTN_INLINE v16 exp_nonpositive(v16 x) { return exp_nonpositive_vector<v16, v16i>(x); }
+// GCC 12 compiles comparisons and selects of 16-float vectors element by element, in scalar
+// code, for levels without 512-bit registers (AVX2, SSE): 200 instructions for one exp. Done per
+// 8-float half, a vector on every level, they stay vector code; lane by lane the same values.
+FASTATTN_INLINE v16 join8(v8 low, v8 high) {
+  return __builtin_shufflevector(low, high, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+FASTATTN_INLINE v8i low8(v16i a) { return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7); }
+FASTATTN_INLINE v8i high8(v16i a) {
+  return __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+
+// a > b ? x : y, a >= b ? x : y, a == b ? x : y and (integers) a < b ? x : y, lane by lane.
+FASTATTN_INLINE v16 if_greater(v16 a, v16 b, v16 x, v16 y) {
+  return join8(low8(a) > low8(b) ? low8(x) : low8(y), high8(a) > high8(b) ? high8(x) : high8(y));
+}
+FASTATTN_INLINE v16 if_greater_equal(v16 a, v16 b, v16 x, v16 y) {
+  return join8(low8(a) >= low8(b) ? low8(x) : low8(y),
+               high8(a) >= high8(b) ? high8(x) : high8(y));
+}
+FASTATTN_INLINE v16 if_equal(v16 a, v16 b, v16 x, v16 y) {
+  return join8(low8(a) == low8(b) ? low8(x) : low8(y),
+               high8(a) == high8(b) ? high8(x) : high8(y));
+}
+FASTATTN_INLINE v16 if_less(v16i a, v16i b, v16 x, v16 y) {
+  return join8(low8(a) < low8(b) ? low8(x) : low8(y), high8(a) < high8(b) ? high8(x) : high8(y));
+}
+
+FASTATTN_INLINE v16 exp_nonpositive(v16 x) {
+  return join8(exp_nonpositive(low8(x)), exp_nonpositive(high8(x)));
+}
 FASTATTN_INLINE float sum16(v16 a) { return sum8(low8(a) + high8(a)); }
 FASTATTN_INLINE float max16(v16 a) {
   const v8 lo = low8(a), hi = high8(a);
