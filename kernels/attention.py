@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastattn.kernels.layer_norm import scalar
+from fastattn.kernels.seeds import scalar, tile_keep_mask
 
 MAX_HEAD_DIM = 256  # the widest head the tile policy covers
 NO_MASK, BOOL_MASK, FLOAT_MASK = 0, 1, 2
@@ -100,21 +100,6 @@ def _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
 
 
 @triton.jit
-def _dropout_keep(philox_seed, philox_offset, bh, row_start, col_start, Lq, Lk, dropout_p,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Keep-mask of the (BLOCK_M queries from row_start) x (BLOCK_N keys from col_start) tile of
-    head bh. One Philox call yields four 32-bit numbers, so each counter covers four keys:
-    counter = offset + flat index of (bh, row, key // 4). Every element has its own bits, and the
-    backward, visiting the same tiles, redraws exactly the forward's mask."""
-    rows = row_start + tl.arange(0, BLOCK_M)[:, None]
-    groups = col_start // 4 + tl.arange(0, BLOCK_N // 4)[None, :]
-    counter = philox_offset + (bh.to(tl.int64) * Lq + rows) * tl.cdiv(Lk, 4) + groups
-    r0, r1, r2, r3 = tl.randint4x(philox_seed, counter)
-    bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK_M, BLOCK_N])
-    return tl.uint_to_uniform_float(bits) >= dropout_p
-
-
-@triton.jit
 def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, offs_d,
                     stride_kn, stride_vn, stride_mm, Lq, Lk, causal_shift, qk_scale,
                     dropout_p, philox_seed, philox_offset, bh, row_start, lo, hi,
@@ -141,8 +126,8 @@ def _attn_fwd_tiles(acc, l_i, m_i, q, k_base, v_base, mask_ptr, offs_m, offs_n, 
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the normaliser l_i sums the probabilities before dropout
-            keep = _dropout_keep(philox_seed, philox_offset, bh, row_start, start_n, Lq, Lk,
-                                 dropout_p, BLOCK_M, BLOCK_N)
+            keep = tile_keep_mask(philox_seed, philox_offset, bh, row_start, start_n, Lq, Lk,
+                                  dropout_p, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         v = tl.load(v_base + cols.T.to(tl.int64) * stride_vn + offs_d[None, :], mask=kv_mask.T,
                     other=0.0)
@@ -302,8 +287,8 @@ def _attn_bwd_dkdv(Q, K, V, Mask, dOut, Lse, Delta, dK, dV,
         p_t = tl.math.exp2(s_t - lse[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = tl.trans(_dropout_keep(philox_seed, philox_offset, bh, start_m,
-                                          pid_n * BLOCK_N, Lq, Lk, dropout_p, BLOCK_M, BLOCK_N))
+            keep = tl.trans(tile_keep_mask(philox_seed, philox_offset, bh, start_m,
+                                           pid_n * BLOCK_N, Lq, Lk, dropout_p, BLOCK_M, BLOCK_N))
             inv_keep = 1.0 / (1.0 - dropout_p)
             p_drop_t = tl.where(keep, p_t * inv_keep, 0.0)
             dp_t = tl.where(keep, dp_t * inv_keep, 0.0)
@@ -383,8 +368,8 @@ def _attn_bwd_dq(Q, K, V, Mask, Out, dOut, Lse, Delta, dQ,
         p = tl.math.exp2(s - lse[:, None])
         dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
         if DROPOUT:
-            keep = _dropout_keep(philox_seed, philox_offset, bh, pid_m * BLOCK_M, start_n, Lq,
-                                 Lk, dropout_p, BLOCK_M, BLOCK_N)
+            keep = tile_keep_mask(philox_seed, philox_offset, bh, pid_m * BLOCK_M, start_n, Lq,
+                                  Lk, dropout_p, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k_t.dtype), tl.trans(k_t), input_precision=DOT_PRECISION)
@@ -401,8 +386,8 @@ def _dropout_keep_mask_kernel(Keep, Lq, Lk, dropout_p, philox_seed, philox_offse
     pid_m, bh = _block_and_head(tl.cdiv(Lq, BLOCK_M))
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    keep = _dropout_keep(philox_seed, philox_offset, bh, pid_m * BLOCK_M,
-                         tl.program_id(1) * BLOCK_N, Lq, Lk, dropout_p, BLOCK_M, BLOCK_N)
+    keep = tile_keep_mask(philox_seed, philox_offset, bh, pid_m * BLOCK_M,
+                          tl.program_id(1) * BLOCK_N, Lq, Lk, dropout_p, BLOCK_M, BLOCK_N)
     tl.store(Keep + (bh.to(tl.int64) * Lq + rows) * Lk + cols, keep.to(tl.int8),
              mask=(rows < Lq) & (cols < Lk))
 

@@ -10,9 +10,9 @@ torch.ops.aten.embedding_dense_backward for the weight gradient: deterministic o
 each token's rows in order; torch.use_deterministic_algorithms does not flag it), unlike
 index_add_, whose CUDA kernel adds the rows of repeated tokens with atomics.
 
-Dropout draws its keep mask as kernels/layer_norm.py does: Philox keyed by a per-call int64 seed
-passed by value (or through a pointer, under fastattn.ops.seeds.from_device), with the element's
-(column, row) as the counter; the backward regenerates it.
+Dropout draws its keep mask as kernels/layer_norm.py does (kernels/seeds.py): Philox keyed by a
+per-call int64 seed passed by value (or through a pointer, under fastattn.ops.seeds.from_device),
+with the element's (column, row) as the counter; the backward regenerates it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastattn.kernels.layer_norm import _keep_mask, scalar
+from fastattn.kernels.seeds import keep_mask, scalar
 
 MAX_BLOCK = 1024  # columns per program: 8 fp32 per thread at 4 warps; wider rows take more
 
@@ -50,7 +50,7 @@ def _embedding_fwd_kernel(
     p = tl.load(P + (row % L).to(tl.int64) * stride_p + cols, mask=mask, other=0.0)
     y = w * scale + p.to(tl.float32)
     if HAS_DROPOUT:
-        y = tl.where(_keep_mask(seed, row, cols, dropout_p), y / (1.0 - dropout_p), 0.0)
+        y = tl.where(keep_mask(seed, row, cols, dropout_p), y / (1.0 - dropout_p), 0.0)
     y = y.to(Y.dtype.element_ty)
     offsets = row.to(tl.int64) * N + cols
     tl.store(Y + offsets, y, mask=mask)
@@ -82,7 +82,7 @@ def _embedding_bwd_kernel(
     if HAS_DY_COPY:
         g += tl.load(DY_COPY + offsets, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        g = tl.where(_keep_mask(seed, row, cols, dropout_p), g / (1.0 - dropout_p), 0.0)
+        g = tl.where(keep_mask(seed, row, cols, dropout_p), g / (1.0 - dropout_p), 0.0)
     g = tl.where(valid, g * scale, float("nan"))
     tl.store(G + offsets, g.to(G.dtype.element_ty), mask=mask)
 
@@ -117,9 +117,11 @@ def embedding_backward(
     dy: torch.Tensor, dy_copy: torch.Tensor | None, tokens: torch.Tensor, seed: int | torch.Tensor,
     num_weights: int, scale: float, dropout_p: float, dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The weight gradient (num_weights, N) in `dtype` for contiguous dy (M, N) and dy_copy (the
-    gradient of y's copy, added to dy's) of tokens (M,): the row gradients, then
-    embedding_dense_backward (deterministic) sums them per token."""
+    """The weight gradient (num_weights, N) in `dtype` for dy (M, N) and dy_copy (the gradient
+    of y's copy, added to dy's; both read contiguous, copied here if they are not) of tokens
+    (M,): the row gradients, then embedding_dense_backward (deterministic) sums them per token."""
+    dy = dy.contiguous()
+    dy_copy = None if dy_copy is None else dy_copy.contiguous()
     M, N = dy.shape
     g = dy.new_empty((M, N), dtype=dtype)
     safe_tokens = torch.empty_like(tokens)

@@ -17,13 +17,13 @@ of each kernel (`forward_bytes` computes totals, with weight, bias and row stati
 Dropout draws its keep mask from Philox keyed by a per-call seed (an int64 the op draws from
 torch's CPU generator, so torch.manual_seed reproduces it, passed by value: no launch, no sync;
 or, under fastattn.ops.seeds.from_device, a pointer to one in a device table a CUDA graph
-refills, which `scalar` loads) with the element's (column, row) as the counter; the backward
-regenerates the same mask instead of storing it. The backward recomputes the sum from x and
-residual (both are kept alive by the caller anyway) and the saved fp32 mean and rstd; dweight
-and dbias are summed from fp32 per-program partials by the launch's last program
-(kernels/reduction.py: one launch, summed in program order, so they are deterministic). Rows
-wider than BWD_MAX_BLOCK take a two-pass backward over column chunks (the second pass rereads
-the row from L2), so no configuration spills registers.
+refills, which `scalar` loads) with the element's (column, row) as the counter
+(kernels/seeds.py); the backward regenerates the same mask instead of storing it. The backward
+recomputes the sum from x and residual (both are kept alive by the caller anyway) and the saved
+fp32 mean and rstd; dweight and dbias are summed from fp32 per-program partials by the launch's
+last program (kernels/reduction.py: one launch, summed in program order, so they are
+deterministic). Rows wider than BWD_MAX_BLOCK take a two-pass backward over column chunks (the
+second pass rereads the row from L2), so no configuration spills registers.
 """
 
 from __future__ import annotations
@@ -33,27 +33,9 @@ import triton
 import triton.language as tl
 
 from fastattn.kernels.reduction import arrival_counter, last_program, sum_partials
+from fastattn.kernels.seeds import keep_mask, scalar
 
 MAX_FEATURES = 16384  # one row lives in registers; wider rows would spill
-
-
-@triton.jit
-def scalar(x):
-    """x, or the value x points to: seeds come by value, or through a pointer from a table a CUDA
-    graph refills (fastattn.ops.seeds). Shared by every kernel that takes a dropout seed, each of
-    which marks its seeds do_not_specialize: Triton would make a value of 1 a constexpr, which has
-    no dtype (Triton 3.9's tl.to_tensor could wrap it, but 3.6 does not export it)."""
-    if x.dtype.is_ptr():
-        x = tl.load(x)
-    return x
-
-
-@triton.jit
-def _keep_mask(seed, row, cols, dropout_p):
-    """Dropout keep mask of elements (row, cols): uniform(Philox(seed; cols, row)) >= p."""
-    zero = tl.zeros_like(cols)
-    bits, _, _, _ = tl.philox(seed, cols, (zero + row).to(tl.int32), zero, zero)
-    return tl.uint_to_uniform_float(bits) >= dropout_p
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -79,7 +61,7 @@ def _layer_norm_fwd_kernel(
     if HAS_X_BIAS:
         s += tl.load(XB + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_DROPOUT:
-        keep = _keep_mask(seed, row, cols, dropout_p)
+        keep = keep_mask(seed, row, cols, dropout_p)
         s = tl.where(keep, s / (1.0 - dropout_p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + row.to(tl.int64) * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
@@ -113,7 +95,7 @@ def _recompute_xhat(X, XB, R, seed, row, cols, mask, stride_x, stride_r, mean, r
         s += tl.load(XB + cols, mask=mask, other=0.0).to(tl.float32)
     keep = mask
     if HAS_DROPOUT:
-        keep = _keep_mask(seed, row, cols, dropout_p)
+        keep = keep_mask(seed, row, cols, dropout_p)
         s = tl.where(keep, s / (1.0 - dropout_p), 0.0)
     if HAS_RESIDUAL:
         s += tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)

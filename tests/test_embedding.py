@@ -9,7 +9,7 @@ import torch
 import fastattn.fused_model
 from fastattn.backend import implementation
 from fastattn.model import Transformer, TransformerConfig
-from fastattn.ops.embedding import _dropout_keep_mask, embedding, embedding_reference
+from fastattn.ops.embedding import embedding, embedding_reference
 
 # Every test here reaches the op; under FASTATTN_BACKEND=triton the kernels run interpreted.
 pytestmark = pytest.mark.triton
@@ -18,6 +18,15 @@ INTERPRETED = implementation("embedding", "cpu", torch.float32) == "triton-inter
 SHAPES = [  # (B, L, d, vocabulary)
     (1, 1, 16, 37), (3, 17, 24, 37), (1, 97, 16, 1000), (1, 17, 512, 1000), (3, 1, 24, 1000),
 ]
+
+
+def _dropout_keep_mask(tokens: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
+                       dropout_p: float) -> torch.Tensor:
+    """The keep mask embedding(tokens, weight, positions, dropout_p=p) draws at the current RNG
+    state: the op's own output for one token of ones and zero positions."""
+    ones = torch.ones((1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
+    return embedding(torch.zeros_like(tokens), ones, torch.zeros_like(positions),
+                     dropout_p=dropout_p) != 0
 
 
 def _inputs(B, L, d, vocab, seed=0):

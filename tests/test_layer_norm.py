@@ -3,15 +3,25 @@
 import pytest
 import torch
 
-from fastattn.backend import implementation, use_triton
+from fastattn.backend import implementation
 from fastattn.kernels.layer_norm import MAX_FEATURES, forward_bytes
 from fastattn.ops import dropout, layer_norm_residual
-from fastattn.ops.layer_norm import _dropout_keep_mask, layer_norm_residual_reference
+from fastattn.ops.layer_norm import layer_norm_residual_reference
 
 NATIVE = implementation("layer_norm_residual", "cpu", torch.float32) == "fastattn._C"
 INTERPRETED = implementation("layer_norm_residual", "cpu", torch.float32) == "triton-interpreter"
 
 ROWS = (3, 2)  # leading dims, flattened to 6 rows: small for the interpreter
+
+
+def _dropout_keep_mask(x: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """The keep mask layer_norm_residual(x, ...) draws at the current RNG state: the op's own
+    returned sum of dropout(ones) and zeros."""
+    ones = torch.ones_like(x)
+    _, s = layer_norm_residual(
+        ones, torch.zeros_like(x), None, None, dropout_p=dropout_p, return_residual=True
+    )
+    return s != 0
 
 
 def _inputs(n, dtype, *, residual=True, weight=True, bias=True, residual_dtype=None, seed=0):
@@ -162,9 +172,13 @@ def test_dropout_mask_has_no_visible_structure():
 
 def test_many_rows_with_dropout_against_float64():
     """Enough rows that the CPU kernel splits them across threads and sums dweight and dbias from
-    per-block partials; outputs and all gradients within 2x PyTorch's float32 error."""
+    per-block partials; outputs and all gradients within 2x PyTorch's float32 error. The Triton
+    backward runs four programs on CPU tensors (kernels/layer_norm._num_programs), each summing
+    a block of rows into its partials: 41 rows give them 11, 11, 11 and 8 (301 rows took a
+    minute in the interpreter, one program per row forward)."""
     g = torch.Generator().manual_seed(11)
-    shape = (301, 130)  # the CPU kernel gives each thread at least 126 rows of 130
+    # the CPU kernel gives each thread at least 126 rows of 130
+    shape = (41 if INTERPRETED else 301, 130)
     masters = [torch.randn(*shape, generator=g, dtype=torch.float64),
                torch.randn(*shape, generator=g, dtype=torch.float64),
                torch.randn(130, generator=g, dtype=torch.float64),
@@ -219,7 +233,7 @@ def test_widest_supported_row():
 
 def test_rows_beyond_the_kernel_limit():
     x = torch.randn(2, MAX_FEATURES + 1)
-    if use_triton(x):
+    if INTERPRETED:
         with pytest.raises(ValueError, match=f"at most {MAX_FEATURES} features"):
             layer_norm_residual(x, x, None, None)
     else:  # neither fastattn._C's CPU kernel nor PyTorch has a row limit
@@ -332,7 +346,7 @@ def test_forward_bytes():
 
 
 @pytest.mark.skipif(
-    not (use_triton(torch.empty(0)) or NATIVE),
+    not (INTERPRETED or NATIVE),
     reason="the fastattn::layer_norm_residual_* ops run the Triton kernels or fastattn._C's CPU "
     "kernels: this backend uses neither (FASTATTN_BACKEND=torch without a built fastattn._C)",
 )

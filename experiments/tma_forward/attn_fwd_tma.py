@@ -15,7 +15,10 @@ Two flavours:
                       triton.set_allocator at launch): 2-D (L, D) per program at the
                       (batch, head) base pointer; same signature as the shipped kernel.
 The math (online softmax in log2 units, the two loops: tiles without and with bounds/causal
-checks, empty rows -> 0 / +inf lse) is the shipped kernel's, copied.
+checks, empty rows -> 0 / +inf lse) is the shipped kernel's: its helpers (_block_and_head,
+_masked_scores, _mask_args) are imported from fastattn.kernels.attention, and the descriptor
+loop below differs from the shipped _attn_fwd_tiles in its loads (desc.load, no load mask)
+and in having no dropout.
 """
 
 from __future__ import annotations
@@ -24,39 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-NO_MASK, BOOL_MASK, FLOAT_MASK = 0, 1, 2
-
-
-# --- copies of the shipped helpers (kernels/attention.py), so this file stands alone ----------
-
-@triton.jit
-def _block_and_head(blocks_per_head):
-    pid = tl.program_id(0)
-    return pid % blocks_per_head, pid // blocks_per_head
-
-
-@triton.jit
-def _masked_scores(s, rows, cols, mask_ptr, stride_mm, Lq, Lk, causal_shift,
-                   MASK_KIND: tl.constexpr, KEY_MASK: tl.constexpr, CAUSAL: tl.constexpr,
-                   CHECK_BOUNDS: tl.constexpr):
-    if MASK_KIND != 0:
-        if KEY_MASK:
-            m = tl.load(mask_ptr + cols, mask=cols < Lk, other=0)
-        else:
-            m = tl.load(mask_ptr + rows.to(tl.int64) * stride_mm + cols,
-                        mask=(rows < Lq) & (cols < Lk), other=0)
-        if MASK_KIND == 1:
-            s = tl.where(m != 0, s, float("-inf"))
-        else:
-            s += m.to(tl.float32) * 1.4426950408889634
-    if CHECK_BOUNDS:
-        allowed = cols < Lk
-        if CAUSAL:
-            allowed &= cols <= rows + causal_shift
-        s = tl.where(allowed, s, float("-inf"))
-    return s
-
+# The shipped forward's helpers, imported as they are: only the descriptor loads and stores
+# below are this experiment's own.
+from fastattn.kernels.attention import LOG2E, _block_and_head, _mask_args, _masked_scores
 
 # --- the descriptor forward -------------------------------------------------------------------
 
@@ -200,18 +173,6 @@ def _attn_fwd_tma_dev(Q, K, V, Mask, Out, Lse,
 
 
 # --- launchers (GPU or TRITON_INTERPRET=1) ------------------------------------------------------
-
-def _mask_args(attn_mask, q, k):
-    """As kernels/attention._mask_args, for the variants here: None or a bool key-padding mask
-    broadcastable to (B, H, Lq, Lk)."""
-    if attn_mask is None:
-        return q, (0, 0, 0), dict(MASK_KIND=NO_MASK, KEY_MASK=False)
-    b, h, lq, lk = q.shape[0], q.shape[1], q.shape[2], k.shape[2]
-    mask = attn_mask.expand(b, h, lq, lk)
-    flags = dict(MASK_KIND=BOOL_MASK if mask.dtype == torch.bool else FLOAT_MASK,
-                 KEY_MASK=mask.stride(2) == 0)
-    return (mask.view(torch.uint8) if mask.dtype == torch.bool else mask), mask.stride()[:3], flags
-
 
 def _alloc(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available()

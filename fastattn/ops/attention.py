@@ -48,7 +48,6 @@ from fastattn.backend import check_float, implementation
 from fastattn.kernels import attention as kernels
 from fastattn.kernels.attention import MAX_HEAD_DIM, causal_shift, unit_last_stride
 from fastattn.ops import seeds
-from fastattn.ops.layer_norm import seeded_dropout
 
 CAUSAL_ALIGNMENTS = {False: None, True: "top_left", "top_left": "top_left",
                      "bottom_right": "bottom_right"}
@@ -110,7 +109,7 @@ def _dropout_keep_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> to
         # An op taking the seed as a tensor, so torch.compile traces this without a break.
         seed = seeds.draw(2)[:1]
         ones = torch.ones(b * h * lq, lk)
-        return seeded_dropout(ones, seed, dropout_p).ne(0).view(b, h, lq, lk)
+        return seeds.seeded_dropout(ones, seed, dropout_p).ne(0).view(b, h, lq, lk)
     return torch.rand((b, h, lq, lk), device=q.device) >= dropout_p
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from fastattn.backend import check_float, implementation
 from fastattn.kernels import embedding as kernels
 from fastattn.ops import seeds
-from fastattn.ops.layer_norm import _contiguous, dropout
+from fastattn.ops.seeds import dropout
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -93,9 +93,8 @@ def _embedding_bwd(
 ) -> torch.Tensor:
     """The weight gradient (num_weights, N) in `dtype` from dy (M, N) and dy_copy (the gradient
     of y's copy, added to dy's in float32)."""
-    return kernels.embedding_backward(dy.contiguous(), _contiguous(dy_copy), tokens,
-                                      seeds.kernel_argument(seed), num_weights, scale, dropout_p,
-                                      dtype)
+    return kernels.embedding_backward(dy, dy_copy, tokens, seeds.kernel_argument(seed),
+                                      num_weights, scale, dropout_p, dtype)
 
 
 @_embedding_bwd.register_kernel("cpu")
@@ -104,12 +103,11 @@ def _(dy, dy_copy, tokens, seed, num_weights, scale, dropout_p, dtype):
         if torch.bfloat16 in (dy.dtype, dtype, None if dy_copy is None else dy_copy.dtype):
             # The interpreter has no bf16: float32 copies, rounded after.
             return kernels.embedding_backward(
-                dy.float().contiguous(), None if dy_copy is None else dy_copy.float(), tokens,
+                dy.float(), None if dy_copy is None else dy_copy.float(), tokens,
                 seeds.kernel_argument(seed), num_weights, scale, dropout_p,
                 torch.float32).to(dtype)
-        return kernels.embedding_backward(dy.contiguous(), _contiguous(dy_copy), tokens,
-                                          seeds.kernel_argument(seed), num_weights, scale,
-                                          dropout_p, dtype)
+        return kernels.embedding_backward(dy, dy_copy, tokens, seeds.kernel_argument(seed),
+                                          num_weights, scale, dropout_p, dtype)
     g = dy.to(torch.promote_types(dy.dtype, torch.float32))  # float64 stays float64
     if dy_copy is not None:
         g = g + dy_copy
@@ -219,12 +217,3 @@ def embedding(
     )
     shape = (*tokens.shape, weight.shape[1])
     return (y.view(shape), y_copy.view(shape)) if copy_dtype else y.view(shape)
-
-
-def _dropout_keep_mask(tokens: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor,
-                       dropout_p: float) -> torch.Tensor:
-    """The keep mask embedding(tokens, weight, positions, dropout_p=p) draws at the current RNG
-    state (for tests): the op's own output for one token of ones and zero positions."""
-    ones = torch.ones((1, weight.shape[1]), dtype=weight.dtype, device=weight.device)
-    return embedding(torch.zeros_like(tokens), ones, torch.zeros_like(positions),
-                     dropout_p=dropout_p) != 0

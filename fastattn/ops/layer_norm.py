@@ -1,5 +1,5 @@
 """fastattn.ops.layer_norm: y = LayerNorm(residual + dropout(x)) over the last dim, the paper's
-sub-layer connection, around kernels/layer_norm.py's fused Triton kernels; and dropout.
+sub-layer connection, around kernels/layer_norm.py's fused Triton kernels.
 
 fastattn.backend.implementation("layer_norm_residual", ...) picks what runs: "torch" runs
 dropout(), an add and F.layer_norm (PyTorch's autograd); the others run the torch.library op
@@ -19,6 +19,7 @@ from fastattn.backend import check_float, implementation, native_reads_as_is
 from fastattn.kernels import layer_norm as kernels
 from fastattn.kernels.layer_norm import MAX_FEATURES, separate_dresidual
 from fastattn.ops import seeds
+from fastattn.ops.seeds import cpu_seed, dropout
 
 
 def _impl(x: torch.Tensor, residual: torch.Tensor | None, *params: torch.Tensor | None) -> str:
@@ -55,7 +56,7 @@ def _(x, residual, weight, bias, seed, eps, dropout_p, return_residual, copy_dty
                                                    seeds.kernel_argument(seed), eps, dropout_p,
                                                    return_residual, copy_dtype, x_bias)
     y, s, mean, rstd = torch.ops.fastattn.cpu_layer_norm_residual_fwd(
-        _with_bias(x, x_bias), residual, weight, bias, _cpu_seed(seed), eps, dropout_p,
+        _with_bias(x, x_bias), residual, weight, bias, cpu_seed(seed), eps, dropout_p,
         return_residual,
     )
     return y, s, y.to(copy_dtype) if copy_dtype else y.new_empty(0), mean, rstd
@@ -112,7 +113,7 @@ def _(dy, dsum, x, residual, weight, has_bias, seed, mean, rstd, dropout_p, dy_c
     # What autograd would do for y's two uses: cast the copy's gradient back, add the two.
     dy = dy.to(y_dtype) if dy_copy is None else dy + dy_copy
     dx, dr, dw, db = torch.ops.fastattn.cpu_layer_norm_residual_bwd(
-        dy, dsum, _with_bias(x, x_bias), residual, weight, has_bias, _cpu_seed(seed), mean,
+        dy, dsum, _with_bias(x, x_bias), residual, weight, has_bias, cpu_seed(seed), mean,
         rstd, dropout_p,
     )
     dxb = dx.new_empty(0) if x_bias is None else dx.sum(0, dtype=torch.float32).to(x_bias.dtype)
@@ -178,53 +179,6 @@ def _float(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
-
-
-def _cpu_seed(seed: torch.Tensor | None) -> int:
-    """The seed's value for fastattn._C's CPU kernels (0 without dropout)."""
-    return 0 if seed is None else int(seed)
-
-
-@torch.library.custom_op("fastattn::seeded_dropout", mutates_args=(), device_types="cpu")
-def seeded_dropout(x: torch.Tensor, seed: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """x · keep / (1 - p) on CPU float32, keep a function of (seed, position): fastattn._C's
-    cpu_dropout, with layer_norm_residual's mask. Its backward is itself applied to the grad."""
-    return torch.ops.fastattn.cpu_dropout(x, int(seed), dropout_p)
-
-
-@seeded_dropout.register_fake
-def _(x, seed, dropout_p):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-def _seeded_dropout_setup_context(ctx, inputs, output):
-    ctx.seed, ctx.dropout_p = inputs[1], inputs[2]
-
-
-torch.library.register_autograd(
-    "fastattn::seeded_dropout",
-    lambda ctx, grad: (seeded_dropout(grad, ctx.seed, ctx.dropout_p), None, None),
-    setup_context=_seeded_dropout_setup_context,
-)
-
-
-
-def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """F.dropout(x, p, training) for p in [0, 1). On CPU PyTorch draws masks from a serial
-    generator (dropout was a fifth of a small model's step), so float32, bfloat16 and float16
-    take fastattn._C's counter-based mask (layer_norm_residual's), computed in float32, and
-    float64 compares torch.rand against p (bernoulli_ is 4x slower than rand there). GPUs run
-    F.dropout. What runs is fastattn.backend.implementation("dropout", ...)."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    if not training or p == 0.0:
-        return x  # as F.dropout: the identity, for any dtype
-    check_float("dropout", x=x)
-    if x.device.type != "cpu":
-        return F.dropout(x, p, training)
-    if implementation("dropout", x.device, x.dtype) == "fastattn._C":
-        return seeded_dropout(x.float(), seeds.draw(1), p).to(x.dtype)
-    return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
 
 
 def layer_norm_residual_reference(
@@ -323,13 +277,3 @@ def _outputs(y: torch.Tensor, s: torch.Tensor | None, copy_dtype: torch.dtype | 
         y_copy = y.to(copy_dtype)
     out = (y,) + ((s,) if s is not None else ()) + ((y_copy,) if copy_dtype else ())
     return out if len(out) > 1 else y
-
-
-def _dropout_keep_mask(x: torch.Tensor, dropout_p: float) -> torch.Tensor:
-    """The keep mask layer_norm_residual(x, ...) draws at the current RNG state (for tests):
-    the op's own returned sum of dropout(ones) and zeros."""
-    ones = torch.ones_like(x)
-    _, s = layer_norm_residual(
-        ones, torch.zeros_like(x), None, None, dropout_p=dropout_p, return_residual=True
-    )
-    return s != 0

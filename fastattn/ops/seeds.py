@@ -1,4 +1,5 @@
-"""Dropout seeds of the fused kernels (attention, residual LayerNorm, embedding).
+"""Dropout: the seeds of the fused kernels (attention, residual LayerNorm, embedding), and
+dropout(), the op for every dropout no fused kernel draws.
 
 Each call draws fresh int64 seeds from torch's default CPU generator (torch.manual_seed
 reproduces them) and the kernels take them by value: a GPU op neither launches a kernel to draw
@@ -6,6 +7,11 @@ them nor synchronises to read them. A CUDA graph would freeze such values, repla
 mask forever; so work captured in a graph draws its seeds from a DeviceSeeds table instead
 (`with from_device(table):`), whose slots the kernels read through a pointer, and refills the
 table inside the graph: every replay draws new masks, from torch's graph-safe CUDA generator.
+
+On CPU, dropout() and the fastattn._C kernels (attention, residual LayerNorm) draw one
+counter-based mask, a function of (seed, position): seeded_dropout, the torch.library op around
+fastattn._C's cpu_dropout, takes the seed as a tensor, so torch.compile traces it. The Triton
+kernels' side of the seeds is kernels/seeds.py.
 """
 
 from __future__ import annotations
@@ -14,6 +20,9 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
+
+from fastattn.backend import check_float, implementation
 
 _SEED_RANGE = 2**62
 _active: DeviceSeeds | None = None
@@ -71,3 +80,49 @@ def kernel_argument(seed: torch.Tensor | None) -> int | torch.Tensor:
     if seed is None:
         return 0
     return int(seed) if seed.device.type == "cpu" else seed
+
+
+def cpu_seed(seed: torch.Tensor | None) -> int:
+    """The seed's value for fastattn._C's CPU kernels (0 without dropout)."""
+    return 0 if seed is None else int(seed)
+
+
+@torch.library.custom_op("fastattn::seeded_dropout", mutates_args=(), device_types="cpu")
+def seeded_dropout(x: torch.Tensor, seed: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    """x · keep / (1 - p) on CPU float32, keep a function of (seed, position): fastattn._C's
+    cpu_dropout, with layer_norm_residual's mask. Its backward is itself applied to the grad."""
+    return torch.ops.fastattn.cpu_dropout(x, int(seed), dropout_p)
+
+
+@seeded_dropout.register_fake
+def _(x, seed, dropout_p):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _seeded_dropout_setup_context(ctx, inputs, output):
+    ctx.seed, ctx.dropout_p = inputs[1], inputs[2]
+
+
+torch.library.register_autograd(
+    "fastattn::seeded_dropout",
+    lambda ctx, grad: (seeded_dropout(grad, ctx.seed, ctx.dropout_p), None, None),
+    setup_context=_seeded_dropout_setup_context,
+)
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """F.dropout(x, p, training) for p in [0, 1). On CPU PyTorch draws masks from a serial
+    generator (dropout was a fifth of a small model's step), so float32, bfloat16 and float16
+    take fastattn._C's counter-based mask (layer_norm_residual's), computed in float32, and
+    float64 compares torch.rand against p (bernoulli_ is 4x slower than rand there). GPUs run
+    F.dropout. What runs is fastattn.backend.implementation("dropout", ...)."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return x  # as F.dropout: the identity, for any dtype
+    check_float("dropout", x=x)
+    if x.device.type != "cpu":
+        return F.dropout(x, p, training)
+    if implementation("dropout", x.device, x.dtype) == "fastattn._C":
+        return seeded_dropout(x.float(), draw(1), p).to(x.dtype)
+    return x * (torch.rand(x.shape, device=x.device) >= p) * (1.0 / (1.0 - p))
