@@ -22,11 +22,14 @@ namespace {
 
 constexpr int64_t kQuad = 4;                 // inputs per int32 lane of vpdpbusd
 constexpr int64_t kVector = kPanel * kQuad;  // bytes of one panel row: 16 outputs × 4 inputs
+constexpr int32_t kLevels = 127;             // weights, and rows on VNNI and the scalar loop
+constexpr int32_t kAvx2Levels = 63;          // rows on AVX2 (block_avx2)
 
-// One row quantized: u[d] = round(x[d] / scale) + 128 for d < D, 128 (a zero) up to D4 · 4.
-// Returns scale = max |x| / 127: 0 for a zero row, NaN for a row holding an inf or a NaN (its
-// outputs are then NaN, as float32's would be).
-FASTATTN_INLINE float quantize_row_body(const float *x, int64_t D, uint8_t *u, int64_t D4) {
+// One row quantized to `levels` on each side of zero: u[d] = round(x[d] / scale) + levels + 1 for
+// d < D, levels + 1 (a zero) up to D4 · 4. Returns scale = max |x| / levels: 0 for a zero row,
+// NaN for a row holding an inf or a NaN (its outputs are then NaN, as float32's would be).
+FASTATTN_INLINE float quantize_row_body(const float *x, int64_t D, uint8_t *u, int64_t D4,
+                                        int32_t levels) {
   // Sixteen lanes of max |x| and of x · 0 (NaN once any value is inf or NaN): one running max
   // and sum would stay scalar (a float sum is not reassociated), a lane per element vectorises.
   constexpr int64_t kLanes = 16;
@@ -46,15 +49,16 @@ FASTATTN_INLINE float quantize_row_body(const float *x, int64_t D, uint8_t *u, i
     amax = std::max(amax, lane_max[l]);
     finite += lane_finite[l];
   }
-  std::fill(u, u + D4 * kQuad, uint8_t{128});
+  const float top = static_cast<float>(levels);
+  std::fill(u, u + D4 * kQuad, static_cast<uint8_t>(levels + 1));
   if (std::isnan(finite)) return NAN;
   if (amax == 0.f) return 0.f;
-  const float inverse = 127.f / amax;
+  const float inverse = top / amax;
   for (int64_t d = 0; d < D; ++d) {
-    const float q = std::min(127.f, std::max(-127.f, std::nearbyint(x[d] * inverse)));
-    u[d] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
+    const float q = std::min(top, std::max(-top, std::nearbyint(x[d] * inverse)));
+    u[d] = static_cast<uint8_t>(static_cast<int32_t>(q) + levels + 1);
   }
-  return amax / 127.f;
+  return amax / top;
 }
 FASTATTN_PER_ISA(quantize_row, quantize_row_body)
 
@@ -121,37 +125,33 @@ FASTATTN_PER_ISA(panels_scalar, panels_scalar_body)
 #define FASTATTN_AVX2_INLINE FASTATTN_TARGET_AVX2 inline __attribute__((always_inline))
 
 // Rows [n, n + R) against panel p on AVX2, which has no u8 × s8 dot product into int32:
-// vpmaddubsw multiplies u8 by s8 and adds pairs into int16, saturating above 32767, which the
-// stored bytes qx + 128 (up to 255) would reach. So each row byte is taken back to qx (xor 0x80)
-// and given the weight's sign (vpsignb), and multiplied by |qw|: a pair is at most
-// 2 · 127 · 127 = 32258, exact; vpmaddwd by ones adds the pairs of pairs into int32. The same
-// integers as vpdpbusd's, less 128 · sums. R · 2 accumulators (outputs 0-7 and 8-15).
+// vpmaddubsw multiplies u8 by s8 and adds pairs into int16, saturating above 32767. So the rows
+// are quantized to 7 bits on AVX2 (kAvx2Levels: stored bytes qx + 64 <= 127, as fbgemm's
+// reduce_range does): a pair is at most 2 · 127 · 127 = 32258, exact; vpmaddwd by ones adds the
+// pairs of pairs into int32. R · 2 accumulators (outputs 0-7 and 8-15).
 template <int R>
 FASTATTN_AVX2_INLINE void block_avx2(const Int8Product &a, int64_t n, int64_t p, RowLse *lse) {
   __m256i acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
   const int8_t *panel = a.panels + p * a.D4 * kVector;
   const uint8_t *x = a.x + n * a.xs;
   for (int64_t k = 0; k < a.D4; ++k) {
     const auto *w = reinterpret_cast<const __m256i *>(panel + k * kVector);
     const __m256i w0 = _mm256_loadu_si256(w), w1 = _mm256_loadu_si256(w + 1);
-    const __m256i abs0 = _mm256_abs_epi8(w0), abs1 = _mm256_abs_epi8(w1);
     for (int r = 0; r < R; ++r) {
       int32_t quad;
       std::memcpy(&quad, x + r * a.xs + k * kQuad, sizeof quad);
-      const __m256i xr = _mm256_xor_si256(_mm256_set1_epi32(quad), flip);
-      const __m256i p0 = _mm256_maddubs_epi16(abs0, _mm256_sign_epi8(xr, w0));
-      const __m256i p1 = _mm256_maddubs_epi16(abs1, _mm256_sign_epi8(xr, w1));
-      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
-      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
+      const __m256i xr = _mm256_set1_epi32(quad);
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xr, w0), ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xr, w1), ones));
     }
   }
   for (int r = 0; r < R; ++r) {
     int32_t sums[kPanel];
     _mm256_storeu_si256(reinterpret_cast<__m256i *>(sums), acc[r][0]);
     _mm256_storeu_si256(reinterpret_cast<__m256i *>(sums + 8), acc[r][1]);
-    finish(a, n + r, p, sums, lse ? lse + n + r : nullptr, 0);
+    finish(a, n + r, p, sums, lse ? lse + n + r : nullptr, kAvx2Levels + 1);
   }
 }
 
@@ -243,12 +243,24 @@ FASTATTN_VNNI void panels_vnni(const Int8Product &a, int64_t p0, int64_t p1, Row
 }
 #endif
 
-void run_panels(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+enum class Int8Kernel { kVnni, kAvx2, kScalar };
+
+Int8Kernel int8_kernel() {
 #ifdef FASTATTN_X86
-  if (use_avx512_vnni()) return panels_vnni(a, p0, p1, lse);
-  if (cpu_isa() >= CpuIsa::kAvx2) return panels_avx2(a, p0, p1, lse);
+  if (use_avx512_vnni()) return Int8Kernel::kVnni;
+  if (cpu_isa() >= CpuIsa::kAvx2) return Int8Kernel::kAvx2;
 #endif
-  panels_scalar(a, p0, p1, lse);
+  return Int8Kernel::kScalar;
+}
+
+void run_panels(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  switch (int8_kernel()) {
+#ifdef FASTATTN_X86
+    case Int8Kernel::kVnni: return panels_vnni(a, p0, p1, lse);
+    case Int8Kernel::kAvx2: return panels_avx2(a, p0, p1, lse);
+#endif
+    default: return panels_scalar(a, p0, p1, lse);
+  }
 }
 
 void check_quantized(const at::Tensor &x, const at::Tensor &panels, const at::Tensor &scales,
@@ -269,7 +281,8 @@ void check_quantized(const at::Tensor &x, const at::Tensor &panels, const at::Te
               x.sizes(), " ", x.scalar_type());
 }
 
-// x quantized row by row into `bytes` (N rows of D4 · 4) and `xscale` (N).
+// x quantized row by row into `bytes` (N rows of D4 · 4) and `xscale` (N), to the levels the
+// kernel in use takes (7 bits on AVX2).
 Int8Product quantize_input(const at::Tensor &x, const at::Tensor &panels,
                            const at::Tensor &scales, const at::Tensor &sums,
                            std::vector<uint8_t> &bytes, std::vector<float> &xscale) {
@@ -278,8 +291,9 @@ Int8Product quantize_input(const at::Tensor &x, const at::Tensor &panels,
   bytes.resize(N * D4 * kQuad);
   xscale.resize(N);
   const float *xp = xc.data_ptr<float>();
+  const int32_t levels = int8_kernel() == Int8Kernel::kAvx2 ? kAvx2Levels : kLevels;
   for (int64_t n = 0; n < N; ++n)
-    xscale[n] = quantize_row(xp + n * D, D, bytes.data() + n * D4 * kQuad, D4);
+    xscale[n] = quantize_row(xp + n * D, D, bytes.data() + n * D4 * kQuad, D4, levels);
   return Int8Product{bytes.data(), D4 * kQuad, xscale.data(), N, D4, scales.size(0),
                      panels.data_ptr<int8_t>(), scales.data_ptr<float>(),
                      sums.data_ptr<int32_t>(), nullptr, nullptr};
@@ -311,7 +325,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_linear_weight_cpu(
   at::parallel_for(0, O, 16, [&](int64_t begin, int64_t end) {
     std::vector<uint8_t> row(D4 * kQuad);
     for (int64_t o = begin; o < end; ++o) {
-      sp[o] = quantize_row(wp + o * D, D, row.data(), D4);
+      sp[o] = quantize_row(wp + o * D, D, row.data(), D4, kLevels);
       int32_t sum = 0;
       int8_t *panel = pp + (o / kPanel) * D4 * kVector + (o % kPanel) * kQuad;
       for (int64_t d = 0; d < D4 * kQuad; ++d) {
@@ -398,8 +412,11 @@ void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &pane
 }
 
 std::string int8_kernel_cpu() {
-  if (use_avx512_vnni()) return "avx512-vnni";
-  return cpu_isa() >= CpuIsa::kAvx2 ? "avx2" : "scalar";
+  switch (int8_kernel()) {
+    case Int8Kernel::kVnni: return "avx512-vnni";
+    case Int8Kernel::kAvx2: return "avx2";
+    default: return "scalar";
+  }
 }
 
 }  // namespace fastattn

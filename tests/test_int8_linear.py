@@ -18,19 +18,25 @@ CPU_FLAGS = next((line.split(":", 1)[1].split() for line in
                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), [])
 
 
-def quantized(x):
-    """Symmetric per-row int8 as the kernels quantize: (q float64 in -127..127, scale)."""
+def quantized(x, levels=127):
+    """Symmetric per-row quantization as the kernels do it: (q float64 in -levels..levels, scale)."""
     amax = x.abs().amax(1)
-    # 127 / amax correctly rounded, as the kernels divide (torch's scalar / tensor multiplies by
-    # a reciprocal, which moves a tie or two to the next integer).
-    inverse = (torch.full_like(amax, 127) / amax).nan_to_num(0, 0, 0)
-    q = torch.round(x * inverse[:, None]).clamp(-127, 127)
-    return q.double(), amax / 127
+    # levels / amax correctly rounded, as the kernels divide (torch's scalar / tensor multiplies
+    # by a reciprocal, which moves a tie or two to the next integer).
+    inverse = (torch.full_like(amax, levels) / amax).nan_to_num(0, 0, 0)
+    q = torch.round(x * inverse[:, None]).clamp(-levels, levels)
+    return q.double(), amax / levels
+
+
+def row_levels():
+    """The levels the kernel in use quantizes rows to: 7 bits on AVX2, whose vpmaddubsw would
+    saturate on 8-bit rows; 8 bits elsewhere (weights always 8)."""
+    return 63 if ops.int8_kernel() == "avx2" else 127
 
 
 def reference_logits(x, w, bias=None):
     """The int8 product in float64 integers, scaled back in float32 as the kernel does."""
-    qx, sx = quantized(x)
+    qx, sx = quantized(x, row_levels())
     qw, sw = quantized(w)
     y = (qx @ qw.T).float() * (sx[:, None] * sw[None, :])
     return y if bias is None else y + bias
@@ -106,16 +112,19 @@ def test_int8_edges(at_every_cpu_isa):
 
 
 @pytest.mark.parametrize("rows", [37, 3])  # blocks of 12, 6 and 1 rows; a few rows' path
-def test_every_level_sums_the_same_integers(at_every_cpu_isa, rows):
-    """Each instruction-set level's kernel (VNNI, AVX2's vpmaddubsw, the scalar loop) quantizes to
-    the same bytes and sums the same integers. The float32 scaling after the sums is
-    contracted to multiply-adds on AVX2 and AVX-512, not on the baseline: one rounding of each
-    output (2^-24 of it); log_softmax's exp and log add a few: rtol = atol = 1e-6."""
+def test_every_level_against_the_best(at_every_cpu_isa, rows):
+    """Every level packs the same weight bytes. Levels that quantize rows alike (VNNI and the
+    scalar loop: 8 bits) sum the same integers: the float32 scaling after the sums is contracted
+    to multiply-adds on AVX2 and AVX-512, not on the baseline, one rounding of each output (2^-24
+    of it); log_softmax's exp and log add a few: rtol = atol = 1e-6. AVX2's 7-bit rows differ
+    from 8-bit ones by their quantization error: within 5% of the largest output, as against
+    float32."""
     x, w, b = case(rows, 97, 100)
     parts = ops.quantize_linear_weight(w)
     outs = [ops.linear_int8(x, *parts, None), ops.linear_int8(x, *parts, b),
             ops.log_softmax_linear_int8(x, *parts)]
     assert ops.int8_kernel() == expected_kernel(at_every_cpu_isa)
+    levels = row_levels()
     best = set_cpu_isa(supported_cpu_isas()[-1])
     best_parts = ops.quantize_linear_weight(w)
     for part, best_part in zip(parts, best_parts, strict=True):
@@ -123,7 +132,10 @@ def test_every_level_sums_the_same_integers(at_every_cpu_isa, rows):
     best_outs = [ops.linear_int8(x, *parts, None), ops.linear_int8(x, *parts, b),
                  ops.log_softmax_linear_int8(x, *parts)]
     for out, best_out in zip(outs, best_outs, strict=True):
-        torch.testing.assert_close(out, best_out, rtol=1e-6, atol=1e-6)
+        if levels == row_levels():
+            torch.testing.assert_close(out, best_out, rtol=1e-6, atol=1e-6)
+        else:
+            assert (out - best_out).abs().max() <= 0.05 * best_out.abs().max()
 
 
 def expected_kernel(level):
