@@ -6,7 +6,7 @@ configurations of the CPU's cores, decoding the same batches:
 - fastattn: fastattn.Decoder.beam_search (the translator's path: on CPU the cached decoder and the
   search in one native call), as 1 worker x all cores' threads, and as one worker per core with
   one thread each (fastattn.inference.workers.Workers, several batches at once);
-- CTranslate2 (the model converted by fastattn.ctranslate2_convert): inter_threads=1 x
+- CTranslate2 (the model converted by fastattn.tools.ctranslate2_convert): inter_threads=1 x
   intra_threads=cores, and inter_threads=cores x intra_threads=1, every batch submitted
   asynchronously so that its workers decode at once.
 The report (benchmarks/report.py) sets fastattn's best configuration against CTranslate2's best in
@@ -149,7 +149,7 @@ def fastattn_pieces(model: Model, outputs) -> list[list[str]]:
 @functools.cache
 def ctranslate2_model(name: str) -> str:
     """The model converted to CTranslate2 (float32; CTranslate2 quantizes when it loads)."""
-    from fastattn.ctranslate2_convert import convert
+    from fastattn.tools.ctranslate2_convert import convert
 
     model = load(name)
     return str(convert(model.model, model.sp, tempfile.mkdtemp(prefix="fastattn-ct2-")))

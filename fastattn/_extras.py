@@ -2,7 +2,7 @@
 
 `pip install fastattn` gives the ops, the modules and the model; `pip install 'fastattn[mt]'` adds
 the packages in MT_PACKAGES. Without them:
-- a library import of a module that needs one (fastattn.data, fastattn.evaluate, ...) raises
+- a library import of a module that needs one (fastattn.data, fastattn.bleu, ...) raises
   MissingExtraError, an ImportError whose message is one line naming what to install;
 - a command line (`python -m fastattn.translate`, ...) prints that line on stderr and exits with
   status 1, no traceback: its entry checks with fastattn.cli.starting() before it imports the
@@ -25,7 +25,8 @@ MT_PACKAGES = {"sentencepiece": "sentencepiece", "sacrebleu": "sacrebleu",
                "sacremoses": "sacremoses", "tqdm": "tqdm"}
 # The command lines (python -m fastattn.NAME) that need the [mt] extra: every one of them reads
 # or writes SentencePiece vocabularies (checkpoints carry one).
-MT_COMMANDS = ("train", "translate", "evaluate", "average", "ctranslate2_convert", "ensemble")
+MT_COMMANDS = ("train", "translate", "ensemble", "tools.evaluate", "tools.average",
+               "tools.ctranslate2_convert")
 
 
 def missing_message(module: str, missing: list[str] | tuple[str, ...], extra: str = "mt") -> str:

@@ -1,5 +1,5 @@
 """Which implementation runs an op: the one place that answers it (`implementation`), asked by
-the op layer (fastattn.ops) on every call and printed by `python -m fastattn.info`.
+the op layer (fastattn.ops) on every call and printed by `python -m fastattn.tools.info`.
 
 Implementations: "triton" (the kernels in kernels/, on CUDA), "triton-interpreter" (the same
 kernels on CPU tensors through Triton's interpreter), "fastattn._C" (the extension's CPU

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from fastattn import checkpoint, data, evaluate
+from fastattn import bleu, checkpoint, data
 from fastattn.inference import native, pretrained
 from fastattn.inference.translator import Translator
 
@@ -74,17 +74,17 @@ def main() -> None:
             print(f"| {precision} | – | – | – | – | not run: {e} |")
             continue
         seconds = time.perf_counter() - start
-        bleu = evaluate.multi30k_bleu(hypotheses, tokenized, tgt)
-        sacre, _ = evaluate.sacre_bleu(hypotheses, references)
+        tokenized_bleu = bleu.multi30k_bleu(hypotheses, tokenized, tgt)
+        sacre, _ = bleu.sacre_bleu(hypotheses, references)
         if baseline is None:
-            baseline = bleu, hypotheses
+            baseline = tokenized_bleu, hypotheses
             delta, same = "–", "–"
         else:
-            delta = f"{bleu - baseline[0]:+.2f}"
+            delta = f"{tokenized_bleu - baseline[0]:+.2f}"
             identical = sum(a == b for a, b in zip(hypotheses, baseline[1], strict=True))
             same = f"{identical / len(hypotheses):.1%} ({identical} of {len(hypotheses)})"
-        print(f"| {precision} | {bleu:.2f} | {sacre:.2f} | {delta} | {same} | {seconds:.1f} |",
-              flush=True)
+        print(f"| {precision} | {tokenized_bleu:.2f} | {sacre:.2f} | {delta} | {same} "
+              f"| {seconds:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""fastattn.checkpoint and python -m fastattn.average: atomic saves, verified loads, keeping the
-last K, averaging, and loading a model for translation."""
+"""fastattn.checkpoint and python -m fastattn.tools.average: atomic saves, verified loads, keeping
+the last K, averaging, and loading a model for translation."""
 
 import os
 import subprocess
@@ -188,7 +188,7 @@ def test_average_rejects_different_models(tmp_path, change, message):
 
 
 def run_average(*args):
-    return subprocess.run([sys.executable, "-m", "fastattn.average", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "fastattn.tools.average", *map(str, args)],
                           capture_output=True, text=True, timeout=120)
 
 

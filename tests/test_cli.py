@@ -10,9 +10,9 @@ from fastattn.cli import ArgumentParser
 ROOT = Path(__file__).parent.parent
 
 COMMANDS = ["fastattn.train.command", "fastattn.inference.translate_command",
-            "fastattn.evaluate", "fastattn.average", "fastattn.inference.ensemble_command",
-            "fastattn.ctranslate2_convert", "fastattn.gpu_check", "fastattn.info",
-            "fastattn.inference.pretrained"]
+            "fastattn.tools.evaluate", "fastattn.tools.average",
+            "fastattn.inference.ensemble_command", "fastattn.tools.ctranslate2_convert",
+            "fastattn.tools.gpu_check", "fastattn.tools.info", "fastattn.inference.pretrained"]
 
 # (command module, its main's argv with one abbreviated flag, the abbreviation, what it cuts);
 # the other flags each command requires are given whole, so that the abbreviation is the error.
@@ -20,14 +20,14 @@ ABBREVIATED = [
     ("fastattn.train.command", ["--lr", "0.0005"], "--lr", "--lr-scale"),
     ("fastattn.train.command", ["--res"], "--res", "--resume"),
     ("fastattn.inference.translate_command", ["--check", "model.pt"], "--check", "--checkpoint"),
-    ("fastattn.evaluate", ["--hy", "h", "--ref", "r", "--lang", "de"], "--hy", "--hyp"),
-    ("fastattn.average", ["--dir", "d", "--out", "a.pt"], "--out", "--output"),
+    ("fastattn.tools.evaluate", ["--hy", "h", "--ref", "r", "--lang", "de"], "--hy", "--hyp"),
+    ("fastattn.tools.average", ["--dir", "d", "--out", "a.pt"], "--out", "--output"),
     ("fastattn.inference.ensemble_command", ["--in", "a.pt", "--output", "e.pt"], "--in",
      "--inputs"),
-    ("fastattn.ctranslate2_convert", ["--checkpoint", "c.pt", "--output=dir"], "--output",
+    ("fastattn.tools.ctranslate2_convert", ["--checkpoint", "c.pt", "--output=dir"], "--output",
      "--output-dir"),
-    ("fastattn.gpu_check", ["--dry"], "--dry", "--dry-run"),
-    ("fastattn.info", ["--he"], "--he", "--help"),
+    ("fastattn.tools.gpu_check", ["--dry"], "--dry", "--dry-run"),
+    ("fastattn.tools.info", ["--he"], "--he", "--help"),
     ("fastattn.inference.pretrained", ["--checkpoint", "c.pt", "--na", "x"], "--na", "--name"),
 ]
 

@@ -62,7 +62,7 @@ def test_the_environment_holds_set_cpu_isa_too():
 
 
 def test_info_names_the_level():
-    out = in_subprocess("from fastattn import info; print(info.report())", "scalar")
+    out = in_subprocess("from fastattn.tools import info; print(info.report())", "scalar")
     assert out.returncode == 0, out.stderr
     assert "cpu isa (FASTATTN_CPU_ISA)  scalar (this CPU's best: " in out.stdout
     assert "int8 kernel scalar, bf16 kernel scalar" in out.stdout

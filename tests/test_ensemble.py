@@ -185,10 +185,10 @@ def test_command_line_builds_an_ensemble_that_translate_reads(tmp_path, spm_prot
     assert result.returncode == 0, result.stderr  # the first member's attention
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
 
-    result = run_module("fastattn.ctranslate2_convert", "--checkpoint", tmp_path / "e.pt",
+    result = run_module("fastattn.tools.ctranslate2_convert", "--checkpoint", tmp_path / "e.pt",
                         "--output-dir", tmp_path / "ct2")  # CTranslate2 has no ensembles
     assert result.returncode == 1 and "is an ensemble; convert one of its members" in result.stderr
-    result = run_module("fastattn.ctranslate2_convert", "--checkpoint", tmp_path / "none.pt",
+    result = run_module("fastattn.tools.ctranslate2_convert", "--checkpoint", tmp_path / "none.pt",
                         "--output-dir", tmp_path / "ct2")
     assert result.returncode == 1 and result.stderr.strip() == (
         f"error: {tmp_path / 'none.pt'}: no such checkpoint")

@@ -69,7 +69,7 @@ try:
 except ImportError as e:
     print(type(e).__name__, isinstance(e, ImportError), e)
 # The GPU self-check runs the trainer's update on a machine with torch and Triton alone.
-import fastattn.gpu_check
+import fastattn.tools.gpu_check
 from fastattn.train import launch_step
 try:
     from fastattn.train import Run
@@ -86,7 +86,8 @@ except ImportError as e:
 
 
 # The commands whose entry checks the extra first (fastattn.cli.starting).
-@pytest.mark.parametrize("command", ["train", "translate", "ensemble", "evaluate", "average"])
+@pytest.mark.parametrize("command", ["train", "translate", "ensemble", "tools.evaluate",
+                                     "tools.average"])
 def test_command_says_what_to_install_in_one_line(without_mt, command):
     result = without_mt("-m", f"fastattn.{command}", "--help")
     assert result.returncode == 1

@@ -1,5 +1,5 @@
-"""python -m fastattn.gpu_check: its dry run (every stage at tiny shapes on the CPU, the kernels in
-Triton's interpreter) passes and writes its report; a failed row fails the check."""
+"""python -m fastattn.tools.gpu_check: its dry run (every stage at tiny shapes on the CPU, the
+kernels in Triton's interpreter) passes and writes its report; a failed row fails the check."""
 
 import ast
 import json
@@ -13,14 +13,14 @@ from functools import partial
 import pytest
 import torch
 
-from fastattn import gpu_bench, gpu_check
 from fastattn.ops.attention import attention_reference
+from fastattn.tools import gpu_bench, gpu_check
 
 
 def test_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     """However busy the machine: the dry run has no time budgets (the timeout only ends a hang;
     the run takes 2 to 7 minutes on 2 cores, quiet to loaded)."""
-    result = subprocess.run([sys.executable, "-m", "fastattn.gpu_check", "--dry-run", "--out",
+    result = subprocess.run([sys.executable, "-m", "fastattn.tools.gpu_check", "--dry-run", "--out",
                              str(tmp_path)], capture_output=True, text=True, timeout=3600)
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
@@ -70,7 +70,7 @@ def test_a_failed_row_or_a_broken_stage_is_a_failure():
 
 
 def test_without_a_gpu_it_says_so_in_one_line():
-    result = subprocess.run([sys.executable, "-m", "fastattn.gpu_check"], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "fastattn.tools.gpu_check"], capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 1
     assert result.stderr.strip() == ("error: torch sees no CUDA GPU; --dry-run checks the stages "
@@ -348,8 +348,8 @@ def test_a_warm_up_case_runs_the_real_stages_case(tmp_path):
     assert [case for case, _ in gpu_check.ragged_warm(
         gpu_check.Check(torch.device("cpu"), True, tmp_path))] == ["ragged tails"]
     assert "--warm-workers" in subprocess.run(
-        [sys.executable, "-m", "fastattn.gpu_check", "--help"], capture_output=True, text=True,
-        timeout=300).stdout
+        [sys.executable, "-m", "fastattn.tools.gpu_check", "--help"], capture_output=True,
+        text=True, timeout=300).stdout
 
 
 def test_each_part_of_the_full_profile_fits_one_device_command():

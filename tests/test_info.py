@@ -1,4 +1,5 @@
-"""python -m fastattn.info: its dispatch table is what fastattn.backend.implementation answers."""
+"""python -m fastattn.tools.info: its dispatch table is what fastattn.backend.implementation
+answers."""
 
 import os
 import subprocess
@@ -8,13 +9,13 @@ import torch
 
 from fastattn.backend import IMPLEMENTATIONS, OPS, TRITON_MAX_HEAD_DIM, implementation
 from fastattn.inference import native
-from fastattn.info import DTYPES, GRAD_MODES, VARIANTS
 from fastattn.kernels.attention import MAX_HEAD_DIM
+from fastattn.tools.info import DTYPES, GRAD_MODES, VARIANTS
 
 
 def test_info_prints_the_dispatch_table_implementation_returns():
-    out = subprocess.run([sys.executable, "-m", "fastattn.info", "--all"], capture_output=True,
-                         text=True, env=dict(os.environ), timeout=120)
+    out = subprocess.run([sys.executable, "-m", "fastattn.tools.info", "--all"],
+                         capture_output=True, text=True, env=dict(os.environ), timeout=120)
     assert out.returncode == 0, out.stderr
     head, table = out.stdout.split("dispatch:")
     for field in ("python", "torch", "triton", "fastattn._C", "backend", "cpu features", "gpu",
@@ -41,8 +42,8 @@ def test_the_head_dim_limit_is_the_kernels():
 
 
 def test_without_a_gpu_info_shows_the_cpu_rows_and_counts_the_rest():
-    out = subprocess.run([sys.executable, "-m", "fastattn.info"], capture_output=True, text=True,
-                         env=dict(os.environ), timeout=120)
+    out = subprocess.run([sys.executable, "-m", "fastattn.tools.info"], capture_output=True,
+                         text=True, env=dict(os.environ), timeout=120)
     assert out.returncode == 0, out.stderr
     table = out.stdout.split("dispatch:")[1].splitlines()[1:]
     cuda_rows = (len(OPS) + len(VARIANTS)) * len(DTYPES) * len(GRAD_MODES)

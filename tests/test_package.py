@@ -196,6 +196,22 @@ def test_the_model_imports_nothing_from_the_inference_wing():
     assert wing == [], f"fastattn.model imports {direct}, which reach {wing}"
 
 
+def test_no_library_module_imports_the_tools():
+    # The tools (fastattn.tools: python -m fastattn.tools.NAME) depend on library modules, never
+    # the reverse: outside fastattn/tools/ no module imports one, at the top, inside a function or
+    # under TYPE_CHECKING (fastattn.bleu, not the evaluate command, scores BLEU for the trainer).
+    paths = package_modules()
+    modules = set(paths) | EXTENSIONS
+    graph = {name: module_imports(name, path, modules) for name, path in paths.items()}
+    tools = {m for m in graph if m == "fastattn.tools" or m.startswith("fastattn.tools.")}
+    assert {"fastattn.tools.evaluate", "fastattn.tools.gpu_check", "fastattn.tools.info"} <= tools
+    assert "fastattn.bleu" in graph["fastattn.tools.evaluate"]  # the graph sees the tools' imports
+    importers = sorted(f"{module} (line {line}) imports {target}"
+                       for module, imported in graph.items() if module not in tools
+                       for target, line in imported.items() if target in tools)
+    assert importers == []
+
+
 def test_the_import_graph_sees_every_kind_of_import(tmp_path):
     # The graph test passes only if module_imports misses nothing: each form an import takes.
     package = tmp_path / "pkg"
@@ -215,9 +231,10 @@ def test_the_import_graph_sees_every_kind_of_import(tmp_path):
     assert import_cycles(graph) == [["pkg.a", "pkg.b", "pkg.c", "pkg.a"]]
 
 
-@pytest.mark.parametrize("command", ["fastattn.train", "fastattn.translate", "fastattn.evaluate",
-                                     "fastattn.average", "fastattn.ensemble",
-                                     "fastattn.ctranslate2_convert", "fastattn.info"])
+@pytest.mark.parametrize("command", ["fastattn.train", "fastattn.translate",
+                                     "fastattn.tools.evaluate", "fastattn.tools.average",
+                                     "fastattn.ensemble", "fastattn.tools.ctranslate2_convert",
+                                     "fastattn.tools.info"])
 def test_a_bad_flag_is_a_short_usage_line_and_the_error(command):
     result = subprocess.run([sys.executable, "-m", command, "--no-such-flag"],
                             capture_output=True, text=True, timeout=120)
@@ -229,8 +246,8 @@ def test_a_bad_flag_is_a_short_usage_line_and_the_error(command):
 
 
 # The commands whose entry catches Ctrl-C while it imports (fastattn.cli.starting).
-STARTING = ["fastattn.train", "fastattn.translate", "fastattn.ensemble", "fastattn.evaluate",
-            "fastattn.average"]
+STARTING = ["fastattn.train", "fastattn.translate", "fastattn.ensemble", "fastattn.tools.evaluate",
+            "fastattn.tools.average"]
 
 
 @pytest.mark.parametrize("command", STARTING)
@@ -323,5 +340,6 @@ for name, target in {sorted(scripts.items())!r}:
     out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == [f"{name} 2" for name in sorted(scripts)]
-    for name in scripts:  # fastattn-gpu-check runs python -m fastattn.gpu_check
-        assert f"usage: python -m {name.replace('-', '.', 1).replace('-', '_')}" in out.stderr
+    for name, target in scripts.items():  # fastattn-info runs python -m fastattn.tools.info
+        module = target.split(":")[0].removesuffix(".__main__")
+        assert f"usage: python -m {module}" in out.stderr, name

@@ -440,7 +440,7 @@ def test_resume_takes_the_newest_checkpoint_that_verifies_and_has_training_state
         foreign, start = newest, 2
     else:  # an averaged model under a numbered name: resume ignores it
         foreign, start = save_dir / "checkpoint_00000005.pt", 4
-        averaged = run([sys.executable, "-m", "fastattn.average", "--dir", save_dir,
+        averaged = run([sys.executable, "-m", "fastattn.tools.average", "--dir", save_dir,
                         "--last", 2, "--output", foreign])
         assert averaged.returncode == 0
     resumed = run(train_command(paths, save_dir, "--max-updates", 6, "--save-every", 2,

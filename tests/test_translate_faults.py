@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from test_translate import SHORT, make_checkpoint
 
-from fastattn import data, evaluate
+from fastattn import data
 from fastattn.checkpoint import load_model
 from fastattn.inference.translate_command import main
 from fastattn.inference.translator import (
@@ -30,6 +30,7 @@ from fastattn.inference.translator import (
     Translator,
     UnreadableSourceWarning,
 )
+from fastattn.tools import evaluate
 from fastattn.train import evaluation
 
 ENV = {**os.environ, "FASTATTN_BACKEND": "torch", "OMP_NUM_THREADS": "2"}

@@ -184,7 +184,7 @@ def score(model_pt: Path, config: dict[str, Any], scratch: Path) -> dict[str, An
     """Dev and test BLEU of a checkpoint file, computed as fastattn.train scores its final model
     (its beam, max_len_b, batch tokens and, stored in the checkpoint, its length penalty and
     truecaser) by the commands a user runs: python -m fastattn.translate on the source text,
-    python -m fastattn.evaluate on the translations. Multi30k: val and test2016 against their
+    python -m fastattn.tools.evaluate on the translations. Multi30k: val and test2016 against their
     embedded references; tokenized BLEU lowercased against the official tokenized ones."""
     src, tgt = config["src"], config["tgt"]
     if config["data"] == "multi30k":
@@ -212,15 +212,15 @@ def score(model_pt: Path, config: dict[str, Any], scratch: Path) -> dict[str, An
         "how": "the shipped float16 weights, translated and scored as fastattn.train scores its "
                "final model: python -m fastattn.translate --checkpoint model.pt "
                f"{' '.join(flags)} on the dev and test sources (one --input file), then "
-               f"python -m fastattn.evaluate --hyp HYP --lang {tgt} with --multi30k SPLIT (or "
-               "--ref REFERENCE) on each split's translations; tokenized BLEU as the trainer "
+               f"python -m fastattn.tools.evaluate --hyp HYP --lang {tgt} with --multi30k SPLIT "
+               "(or --ref REFERENCE) on each split's translations; tokenized BLEU as the trainer "
                "reports it (Multi30k: lowercased, against the official tokenized references)",
     }
     for key, (split, _, references) in splits.items():
         hyp = scratch / f"{key}.hyp.{tgt}"
         mine, hyps = hyps[:len(sources[key])], hyps[len(sources[key]):]
         hyp.write_text("".join(line + "\n" for line in mine), encoding="utf-8")
-        report = _command("fastattn.evaluate", "--hyp", str(hyp), "--lang", tgt, *references)
+        report = _command("fastattn.tools.evaluate", "--hyp", str(hyp), "--lang", tgt, *references)
         found[key] = {"split": split, **_bleu(report)}
     return found
 
@@ -236,7 +236,7 @@ def _command(module: str, *args: str) -> str:
 
 
 def _bleu(report: str) -> dict[str, Any]:
-    """The figures of python -m fastattn.evaluate's report."""
+    """The figures of python -m fastattn.tools.evaluate's report."""
     bleu = re.search(r"^BLEU (\S+)  (.*)$", report, re.M)
     tokenized = re.search(r"^tokenized BLEU (\S+)", report, re.M)
     ratio = re.search(r"^length ratio (\S+)", report, re.M)

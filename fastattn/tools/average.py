@@ -1,4 +1,4 @@
-"""python -m fastattn.average: average the parameters of the last k checkpoints of a run (the
+"""python -m fastattn.tools.average: average the parameters of the last k checkpoints of a run (the
 paper averages the last 5 for base models and the last 20 for big ones), or of given files."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 from fastattn.cli import ArgumentParser, HelpFormatter, starting
 
-# As `python -m fastattn.average`: the [mt] extra checked and Ctrl-C caught before torch.
-with starting("average") if __name__ == "__main__" else contextlib.nullcontext():
+# As `python -m fastattn.tools.average`: the [mt] extra checked and Ctrl-C caught before torch.
+with starting("tools.average") if __name__ == "__main__" else contextlib.nullcontext():
     from fastattn.checkpoint import (
         CheckpointError,
         average_checkpoints,
@@ -22,7 +22,7 @@ with starting("average") if __name__ == "__main__" else contextlib.nullcontext()
 
 def main(argv: list[str] | None = None) -> None:
     parser = ArgumentParser(
-        prog="python -m fastattn.average", description=__doc__,
+        prog="python -m fastattn.tools.average", description=__doc__,
         formatter_class=HelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)

@@ -1,6 +1,6 @@
 """Converts a fastattn Transformer to a CTranslate2 model, to benchmark decoding against it.
 
-    python -m fastattn.ctranslate2_convert --checkpoint CKPT --output-dir DIR [--force]
+    python -m fastattn.tools.ctranslate2_convert --checkpoint CKPT --output-dir DIR [--force]
 
 CTranslate2 (`pip install ctranslate2`, the "bench" extra) is never needed to use fastattn; only
 this converter and benchmarks/bench_decoding.py import it. The model maps one to one onto
@@ -105,7 +105,7 @@ def convert(model: Transformer, sp, output_dir: str | Path, force: bool = False)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(prog="python -m fastattn.ctranslate2_convert",
+    parser = ArgumentParser(prog="python -m fastattn.tools.ctranslate2_convert",
                             description=__doc__.split("\n\n")[0],
                             formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", required=True,

@@ -1,4 +1,4 @@
-"""The speed half of python -m fastattn.gpu_check, and what every one of its stages takes.
+"""The speed half of python -m fastattn.tools.gpu_check, and what every one of its stages takes.
 
   Check         the state of one run: device, dry run, report so far, the stage's deadline
   device_name   the GPU's name, or the CPU's in the dry run
@@ -7,8 +7,8 @@
                 residual, cross-entropy, linear cross-entropy against eager PyTorch), training
                 (base and big steps beside the paper's)
 
-The schedule, the correctness stages, the report and the command line are fastattn.gpu_check's;
-this module never imports it.
+The schedule, the correctness stages, the report and the command line are
+fastattn.tools.gpu_check's; this module never imports it.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""python -m fastattn.gpu_check: fastattn's self-check and benchmark on one CUDA GPU, in at most
-about 11½ minutes (--part 1 and --part 2: under 10 each; --quick: 4), with only what such a
+"""python -m fastattn.tools.gpu_check: fastattn's self-check and benchmark on one CUDA GPU, in at
+most about 11½ minutes (--part 1 and --part 2: under 10 each; --quick: 4), with only what such a
 machine has (CUDA torch and Triton; nothing downloaded).
 
 First a pool of processes (one per CPU core) runs correctness's cases once, so that their kernels
@@ -10,7 +10,7 @@ the process checks before each case and past which, and GRACE_SECONDS more, it i
 run case by case: a case that raises fails its own row, and the report (report.json and
 report.md under --out) is rewritten as each case ends, so a run cut short keeps what it measured:
 
-  environment   versions, the GPU, fastattn.info's dispatch table
+  environment   versions, the GPU, fastattn.tools.info's dispatch table
   correctness   every op x dtype (fp16, bf16, fp32, fp32 with tf32) x variant, forward and every
                 gradient, against fp64; graded relative to PyTorch's own error in the same dtype
                 (attention's tf32 rows: relative to tf32's, tf32_attention); then the packed
@@ -44,8 +44,8 @@ report.md under --out) is rewritten as each case ends, so a run cut short keeps 
 runs it, so the check cannot rot), without time budgets; its figures mean nothing.
 
 This module holds the schedule (STAGES), the correctness stages and what grades them, the report
-and the command line; fastattn.gpu_bench holds the speed stages, their timers and the state of a
-run (Check) that every stage takes.
+and the command line; fastattn.tools.gpu_bench holds the speed stages, their timers and the state
+of a run (Check) that every stage takes.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ from typing import Any
 
 if "--dry-run" in sys.argv[1:] and os.environ.get("TRITON_INTERPRET") != "1":
     # The interpreter must be chosen before triton is imported: start again with it.
-    os.execvpe(sys.executable, [sys.executable, "-m", "fastattn.gpu_check", *sys.argv[1:]],
+    os.execvpe(sys.executable, [sys.executable, "-m", "fastattn.tools.gpu_check", *sys.argv[1:]],
                {**os.environ, "TRITON_INTERPRET": "1", "FASTATTN_BACKEND": "triton"})
 
 import torch  # noqa: E402
@@ -84,7 +84,13 @@ import fastattn  # noqa: E402
 from fastattn import ops  # noqa: E402
 from fastattn.backend import implementation  # noqa: E402
 from fastattn.cli import ArgumentParser  # noqa: E402
-from fastattn.gpu_bench import (  # noqa: E402
+from fastattn.ops.attention import attention_packed, attention_reference  # noqa: E402
+from fastattn.ops.cross_entropy import cross_entropy_reference  # noqa: E402
+from fastattn.ops.embedding import embedding as ops_embedding  # noqa: E402
+from fastattn.ops.embedding import embedding_reference  # noqa: E402
+from fastattn.ops.layer_norm import layer_norm_residual_reference  # noqa: E402
+from fastattn.ops.relu import relu_backward_bias  # noqa: E402
+from fastattn.tools.gpu_bench import (  # noqa: E402
     Cases,
     Check,
     Rows,
@@ -94,12 +100,6 @@ from fastattn.gpu_bench import (  # noqa: E402
     fused_speed,
     training,
 )
-from fastattn.ops.attention import attention_packed, attention_reference  # noqa: E402
-from fastattn.ops.cross_entropy import cross_entropy_reference  # noqa: E402
-from fastattn.ops.embedding import embedding as ops_embedding  # noqa: E402
-from fastattn.ops.embedding import embedding_reference  # noqa: E402
-from fastattn.ops.layer_norm import layer_norm_residual_reference  # noqa: E402
-from fastattn.ops.relu import relu_backward_bias  # noqa: E402
 
 COMPILE_REPORT = Path(__file__).resolve().parents[1] / "benchmarks" / "compile_report.json"
 
@@ -209,7 +209,7 @@ def fwd_bwd(fn: Callable[..., torch.Tensor], inputs: list[torch.Tensor], grad: t
 
 
 # ---------------------------------------------------------------------------------------------
-# Stages (attention, fused and training are fastattn.gpu_bench's)
+# Stages (attention, fused and training are fastattn.tools.gpu_bench's)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -220,7 +220,7 @@ def environment(check: Check) -> Cases:
 def environment_rows(check: Check) -> Rows:
     import triton
 
-    from fastattn.info import dispatch_table
+    from fastattn.tools.info import dispatch_table
 
     env: dict[str, Any] = dict(device=device_name(check), python=platform.python_version(),
                                torch=torch.__version__, cuda=torch.version.cuda,
@@ -1236,7 +1236,8 @@ def sanitizer_path() -> str | None:
 
 def ragged_command(check: Check) -> list[str]:
     return [sys.executable, "-c",
-            f"from fastattn.gpu_check import ragged_tails; ragged_tails({check.device.type!r})"]
+            "from fastattn.tools.gpu_check import ragged_tails; "
+            f"ragged_tails({check.device.type!r})"]
 
 
 def seconds_left(check: Check, floor: float = 10.0) -> float | None:
@@ -1459,7 +1460,7 @@ GRACE_SECONDS = 30.0
 
 def stage_command(check: Check, name: str, deadline: float | None) -> list[str]:
     """The command line of the process that runs stage `name` into check.out's report."""
-    return [sys.executable, "-m", "fastattn.gpu_check", "--out", str(check.out),
+    return [sys.executable, "-m", "fastattn.tools.gpu_check", "--out", str(check.out),
             *(["--dry-run"] if check.dry_run else []), *(["--quick"] if check.quick else []),
             "--stage-process", name,
             *([] if deadline is None else ["--deadline", repr(deadline)])]
@@ -1560,7 +1561,7 @@ def failures(report: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(prog="python -m fastattn.gpu_check",
+    parser = ArgumentParser(prog="python -m fastattn.tools.gpu_check",
                             description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="gpu_check", help="directory of report.json/.md")
     parser.add_argument("--dry-run", action="store_true",
@@ -1603,7 +1604,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     check.report = dict(device=device_name(check), dry_run=args.dry_run, quick=args.quick,
                         started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                        command=" ".join(["python -m fastattn.gpu_check", *(argv or sys.argv[1:])]),
+                        command=" ".join(["python -m fastattn.tools.gpu_check",
+                                          *(argv or sys.argv[1:])]),
                         stages={})
     workers = (0 if args.dry_run else os.cpu_count() or 1) if args.warm_workers is None \
         else args.warm_workers

@@ -1,4 +1,5 @@
-"""python -m fastattn.info: what this installation runs, as `python -m xformers.info` prints it.
+"""python -m fastattn.tools.info: what this installation runs, as `python -m xformers.info` prints
+it.
 
 Versions, the extension fastattn._C, Triton, the backend override, the CPU's vector features, the
 instruction-set level the native kernels run at (FASTATTN_CPU_ISA), the GPU, and the dispatch
@@ -143,7 +144,8 @@ def report(all_devices: bool = False) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = ArgumentParser(prog="python -m fastattn.info", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="python -m fastattn.tools.info",
+                            description=" ".join(__doc__.split("\n")[:2]))
     parser.add_argument("--all", action="store_true",
                         help="print every device's dispatch rows, not only this machine's")
     print(report(parser.parse_args(argv).all))

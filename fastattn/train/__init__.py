@@ -34,8 +34,8 @@ import importlib
 from typing import Any
 
 # Each name is imported from its module on first use (PEP 562), so that fastattn.train.step, which
-# needs only torch, serves fastattn.gpu_check on a machine without the [mt] extra; the others need
-# it and raise MissingExtraError when used there.
+# needs only torch, serves fastattn.tools.gpu_check on a machine without the [mt] extra; the others
+# need it and raise MissingExtraError when used there.
 _MODULES = {
     "command": ("main", "train_and_score"),
     "config": ("CONFIG_VERSION", "TrainConfig", "model_config", "saved_flags"),

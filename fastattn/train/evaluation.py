@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fastattn import data, evaluate
+from fastattn import bleu, data
 from fastattn._extras import MissingExtraError
 from fastattn.inference.ensemble import Ensemble
 from fastattn.inference.translator import Translator
@@ -52,12 +52,12 @@ def bleu_scores(hypotheses: list[str], split: Split, tgt_lang: str) -> dict[str,
     """Detokenized sacreBLEU with signature, and tokenized BLEU: against the official tokenized
     references where the corpus has them (Multi30k), else Moses-tokenized references with the
     paper's compound splitting."""
-    bleu, signature = evaluate.sacre_bleu(hypotheses, split.text.tgt)
+    score, signature = bleu.sacre_bleu(hypotheses, split.text.tgt)
     if split.tokenized_refs is not None:
-        tokenized = evaluate.multi30k_bleu(hypotheses, split.tokenized_refs, tgt_lang)
+        tokenized = bleu.multi30k_bleu(hypotheses, split.tokenized_refs, tgt_lang)
     else:
-        tokenized = evaluate.wmt_bleu(hypotheses, split.text.tgt, tgt_lang)
-    return {"bleu": bleu, "signature": signature, "tok_bleu": tokenized}
+        tokenized = bleu.wmt_bleu(hypotheses, split.text.tgt, tgt_lang)
+    return {"bleu": score, "signature": signature, "tok_bleu": tokenized}
 
 
 @torch.no_grad()

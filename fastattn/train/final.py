@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastattn import checkpoint, evaluate
+from fastattn import bleu, checkpoint
 from fastattn.inference.ensemble import Ensemble
 from fastattn.model import Transformer
 from fastattn.train import savedir
@@ -53,7 +53,7 @@ def score_final(run: Run, state: dict[str, Any], save_dir: Path, metrics: Path,
                      max_len_b=args.max_len_b, batch_tokens=args.eval_batch_tokens,
                      truecaser=run.source_truecaser, progress=run.progress)
     scores = bleu_scores(hyps, split, args.tgt)
-    ratio, _ = evaluate.length_ratio(hyps, split.text.tgt)  # final report only, not dev evals
+    ratio, _ = bleu.length_ratio(hyps, split.text.tgt)  # final report only, not dev evals
     output = save_dir / f"{name}.hyp.{args.tgt}"
     run.guarded(checkpoint.write_atomically, output, [("\n".join(hyps) + "\n").encode()])
     run.write_metrics({"step": run.step, f"{name}_bleu": scores["bleu"],
