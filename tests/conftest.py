@@ -109,9 +109,9 @@ SLOWEST_FIRST = {
               "test_train_faults.py", "test_cross_entropy.py", "test_attention.py",
               "test_search.py", "test_pretrained.py", "test_ensemble.py",
               "test_translate_faults.py", "test_decode_attention.py", "test_modules.py"),
-    "triton": ("test_attention.py", "test_cross_entropy.py", "test_model.py",
-               "test_modules.py", "test_autocast.py", "test_layer_norm.py", "test_train.py",
-               "test_ensemble.py"),
+    "triton": ("test_attention.py", "test_model.py", "test_modules.py", "test_layer_norm.py",
+               "test_autocast.py", "test_embedding.py", "test_cross_entropy.py", "test_relu.py",
+               "test_train.py", "test_ensemble.py", "test_gpu_cases_cpu.py"),
 }
 
 
