@@ -19,7 +19,7 @@ CPU_FLAGS = next((line.split(":", 1)[1].split() for line in
 
 
 def quantized(x, levels=127):
-    """Symmetric per-row quantization as the kernels do it: (q float64 in -levels..levels, scale)."""
+    """Symmetric per-row quantization as the kernels do it: (q float64, |q| <= levels; scale)."""
     amax = x.abs().amax(1)
     # levels / amax correctly rounded, as the kernels divide (torch's scalar / tensor multiplies
     # by a reciprocal, which moves a tie or two to the next integer).
