@@ -156,6 +156,10 @@ void subtract_rows(float *x, int64_t O, const float *lse, int64_t begin, int64_t
   subtract_rows_at_isa(x, O, lse, begin, end);
 }
 
+bool packed_linear_wins(int64_t rows, int64_t depth) {
+  return cpu_isa() == CpuIsa::kAvx512 || rows <= 32 || depth >= 512;
+}
+
 at::Tensor pack_linear_weight_cpu(const at::Tensor &weight) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat,
               "pack_linear_weight: weight must be a float32 (out_features, in_features) tensor, "
@@ -169,8 +173,8 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor &weight) {
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &packed,
                       const std::optional<at::Tensor> &bias) {
-  const bool use_packed = packed && x.dim() == 2 && x.size(0) <= kPackedLinearMaxRows &&
-                          x.scalar_type() == at::kFloat;
+  const bool use_packed = packed && x.dim() == 2 && x.scalar_type() == at::kFloat &&
+                          packed_linear_wins(x.size(0), x.size(1));
   if (!use_packed) return at::linear(x, weight, bias);
   check_packed(x, weight, *packed, bias, "linear");
   const int64_t N = x.size(0), D = x.size(1), O = weight.size(0);

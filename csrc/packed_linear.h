@@ -10,15 +10,18 @@
 
 namespace fastattn {
 
-// Up to this many rows the panel kernel beats ATen's GEMM on the decoder's small layers (measured
-// on an AVX2 CPU at d_model 128); with more rows the GEMM's blocking wins there.
-constexpr int64_t kPackedLinearMaxRows = 32;
+// Whether the panel kernel beats ATen's GEMM (MKL) for x (rows, depth), which packs its weight at
+// every call. Measured on one thread of a Zen 4 (built with the panels at every shape): with AVX-512
+// the panels win at every decoder shape (1-256 rows, depth 128-2048); held to AVX2 they win up
+// to 32 rows and at depth 512 and more, while at depth 128-256 MKL's blocking is 5-20% faster
+// from 64 rows on.
+bool packed_linear_wins(int64_t rows, int64_t depth);
 
 // weight (O, D) float32 -> panels (ceil(O / 16), D, 16), zero-padded past O.
 at::Tensor pack_linear_weight_cpu(const at::Tensor &weight);
 
 // x (N, D) @ weight.T + bias -> (N, O). Through `packed` (pack_linear_weight(weight)) when given,
-// float32 and N <= kPackedLinearMaxRows; otherwise at::linear.
+// float32 and packed_linear_wins(N, D); otherwise at::linear.
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &packed,
                       const std::optional<at::Tensor> &bias);
