@@ -23,7 +23,6 @@ import torch
 from fastattn._native import native
 
 BACKENDS = ("auto", "triton", "torch")
-IMPLEMENTATIONS = ("triton", "triton-interpreter", "fastattn._C", "torch")
 OPS = ("attention", "dropout", "layer_norm_residual", "label_smoothed_cross_entropy",
        "linear_cross_entropy", "relu_backward_bias", "embedding")
 # Supported: >= 3.6, < 3.10, what is tested: CI runs 3.9 and compiles the kernels' subset under
@@ -111,12 +110,6 @@ def _triton_on(device_type: str) -> str | None:
             "TRITON_INTERPRET=1 in the environment before triton is imported"
         )
     return "triton-interpreter"
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the backend runs Triton kernels on x's device; raises if "triton" cannot be
-    honoured."""
-    return _triton_on(x.device.type) is not None
 
 
 def check_float(op: str, **tensors: torch.Tensor | None) -> None:

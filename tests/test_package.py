@@ -89,7 +89,7 @@ import torch, fastattn
 from fastattn import backend
 fastattn.set_backend("triton")
 try:
-    backend.use_triton(torch.zeros(1))
+    backend.implementation("attention", "cpu", torch.float32)
 except RuntimeError as e:
     print(e)
 """

@@ -5,7 +5,8 @@ says which runs."""
 
 from fastattn.ops.attention import attention
 from fastattn.ops.cross_entropy import label_smoothed_cross_entropy, linear_cross_entropy
-from fastattn.ops.layer_norm import dropout, layer_norm_residual
+from fastattn.ops.layer_norm import layer_norm_residual
+from fastattn.ops.seeds import dropout
 
 __all__ = [
     "attention",
