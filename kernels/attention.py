@@ -818,8 +818,11 @@ def _row_heads(g: torch.Tensor) -> int:
     address it so (_heads_last), with 64-bit offsets, rather than from four strides: the dK/dV
     pass's registers stay where they were (compile report)."""
     b, h, length, d = g.shape
-    n_h = g.stride(2) // max(d, 1)
-    if g.stride() != (length * n_h * d, d, n_h * d, 1) or n_h < h:
+    # A dimension of size 1 may carry any stride: one row reads its width from the batch stride
+    # (or, alone in the batch, from nothing: it is never stepped over).
+    n_h = (g.stride(2) if length > 1 else g.stride(0) if b > 1 else h * d) // max(d, 1)
+    expected = (length * n_h * d, d, n_h * d, 1)
+    if any(s != e for s, e, n in zip(g.stride(), expected, g.shape, strict=True) if n > 1) or n_h < h:
         raise ValueError(f"attention_backward: a gradient of shape {tuple(g.shape)} must be "
                          f"heads-last or columns of a contiguous (B, L, n·H·D), got strides "
                          f"{g.stride()}")

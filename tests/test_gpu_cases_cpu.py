@@ -63,17 +63,8 @@ def _grade(ours, exact, own, names):
         assert_graded_close(a, r, b, atol=atol, name=name)
 
 
-# One query row: the view of a packed (B, 1, 3·H·D) gradient has strides PyTorch chose for its
-# size-1 length dimension, which kernels/attention.py's _row_heads reads as a row width and
-# rejects (ValueError); fastattn._C and PyTorch take it.
-ONE_ROW_PACKED = pytest.mark.xfail(
-    implementation("attention", "cpu", torch.float32, True).startswith("triton"), strict=True,
-    raises=ValueError, reason="the Triton backward rejects a packed (B, 1, 3·H·D) gradient's "
-                              "view (_row_heads reads the size-1 length's stride)")
-
-
 @pytest.mark.parametrize("form,lq,lk,dtype,mask,causal", [
-    pytest.param("self", 1, 1, torch.float32, "key padding", False, marks=ONE_ROW_PACKED),
+    ("self", 1, 1, torch.float32, "key padding", False),  # a size-1 length's arbitrary stride
     ("self", 97, 97, torch.float16, "a sentence all padding", False),
     ("self", 17, 17, torch.float16, None, True),
     ("cross", 1, 97, torch.float32, "key padding", False),
