@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from functools import partial
 
 from benchmarks.common import HELD_ISA
 from scripts.measure_cpu_products import best_seconds
@@ -34,9 +35,9 @@ def measure() -> dict[str, float]:
         for rows in (4, 64, 256):
             x = torch.randn(rows, depth)
             results[f"log_softmax_linear fp32 {rows}x{depth}->8000"] = best_seconds(
-                lambda: ops.log_softmax_linear(x, w, packed))
+                partial(ops.log_softmax_linear, x, w, packed))
             results[f"log_softmax_linear int8 {rows}x{depth}->8000"] = best_seconds(
-                lambda: ops.log_softmax_linear_int8(x, *int8))
+                partial(ops.log_softmax_linear_int8, x, *int8))
     q, k, v = (torch.randn(125, 4, 25, 32, requires_grad=True) for _ in range(3))
     grad = torch.randn(125, 4, 25, 32)
 
