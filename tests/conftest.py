@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
 from fastattn._native import cpu_isa, set_cpu_isa, supported_cpu_isas
 from fastattn.backend import get_backend
+
+# A shell starts a background job with Ctrl-C ignored, and an ignored signal stays ignored in every
+# process started from it: the tests that send SIGINT to a command need it back to the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Kernels run through Triton's CPU interpreter: slow, and without bf16 or fp64.
 INTERPRETED = get_backend() == "triton"
