@@ -550,28 +550,44 @@ FLAGS = {"plain": ("--bpe-dropout", "0"),
          "bidirectional": ("--bidirectional", "10"), "no-truecase": ("--no-truecase",)}
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Each flag set's corpus and uninterrupted run of 24 updates, trained once for the tests of
+    its signals: flags -> (corpus paths, the run's directory)."""
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            folder = tmp_path_factory.mktemp(f"uninterrupted-{name}")
+            paths = corpus(folder)
+            done = subprocess.run(
+                train_command(paths, folder / "ref", "--max-updates", 24, "--save-every", 4,
+                              *FLAGS[name]),
+                capture_output=True, text=True, timeout=600, env=TORCH_OPS)
+            assert done.returncode == 0, done.stderr
+            if name == "bidirectional":
+                assert "update 10: bidirectional phase over" in done.stdout
+            runs[name] = paths, folder / "ref"
+        return runs[name]
+
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("flags", "signum"), [
     *((name, signal.SIGKILL) for name in FLAGS),  # each signal with the flags that draw most
     ("bpe-and-word-dropout", signal.SIGINT), ("bidirectional", signal.SIGTERM),
 ], ids=lambda value: value.name if isinstance(value, signal.Signals) else value)
-def test_sigkill_and_resume_continue_exactly(tmp_path, flags, signum):
+def test_sigkill_and_resume_continue_exactly(tmp_path, uninterrupted, flags, signum):
     """A run killed (SIGKILL: after its checkpoint at update 8) or stopped (SIGINT, SIGTERM: at
     a random update, seeded) and resumed gives the uninterrupted run's every loss, weights and
     final model, bit for bit. A stopped run saves after the update in flight (between its
     regular checkpoints: checkpoint_<step>_interrupted.pt, which the final model does not
     average) and exits 128 + the signal with one line saying how to continue."""
     name, flags = flags, FLAGS[flags]
-    paths = corpus(tmp_path)
+    paths, reference = uninterrupted(name)
     updates, kill_after = 24, 8
-    reference = subprocess.run(
-        train_command(paths, tmp_path / "ref", "--max-updates", updates, "--save-every", 4,
-                      *flags),
-        capture_output=True, text=True, timeout=600, env=TORCH_OPS)
-    assert reference.returncode == 0, reference.stderr
-    if "--bidirectional" in flags:
-        assert "update 10: bidirectional phase over" in reference.stdout
-    expected = losses(tmp_path / "ref" / "metrics.jsonl")
+    expected = losses(reference / "metrics.jsonl")
     assert sorted(expected) == list(range(1, updates + 1))
 
     run_dir = tmp_path / "run"
@@ -620,12 +636,12 @@ def test_sigkill_and_resume_continue_exactly(tmp_path, flags, signum):
     for step, value in after.items():
         assert value == expected[step], f"update {step} differs"
     for name in (f"checkpoint_{updates:08d}.pt", "checkpoint_final.pt"):
-        final_ref = checkpoint.load_checkpoint(tmp_path / "ref" / name)
+        final_ref = checkpoint.load_checkpoint(reference / name)
         final_run = checkpoint.load_checkpoint(run_dir / name)
         for key, tensor in final_ref["model"].items():
             assert torch.equal(tensor, final_run["model"][key]), f"{name}: {key}"
     assert [p.name for p in checkpoint.list_resumable(run_dir)] == [
-        p.name for p in checkpoint.list_resumable(tmp_path / "ref")]  # the interrupted one gone
+        p.name for p in checkpoint.list_resumable(reference)]  # the interrupted one gone
 
 
 def test_choose_alpha_keeps_the_best_dev_bleu_and_the_first_of_ties(monkeypatch):
