@@ -51,7 +51,7 @@ def undefined_fastattn_symbols(nm: str, library: Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.cross_compile",
-                                     description=__doc__.split("\n\n")[0])
+                                     description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--target", default="aarch64-linux-gnu",
                         help="GNU target triple of the cross compiler (default: aarch64-linux-gnu)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
