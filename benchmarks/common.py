@@ -18,6 +18,8 @@ in time order — the CPU equivalent of max_memory_allocated, not the process RS
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +40,16 @@ HELD_ISA = {
                "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
                "CT2_FORCE_CPU_ISA": "AVX512"},
 }
+
+
+def run_held(module: str, level: str, *args: str, one_thread: bool = False) -> str:
+    """The last line `python -m module *args` prints, run with every library held to `level`
+    (HELD_ISA) and, with one_thread, OpenMP at one thread: the scripts' per-level children."""
+    env = {**os.environ, **HELD_ISA[level], **({"OMP_NUM_THREADS": "1"} if one_thread else {})}
+    done = subprocess.run([sys.executable, "-m", module, *args], env=env, capture_output=True,
+                          text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
+
 
 ROUND_SECONDS = 0.01 if QUICK else 0.05
 BUDGET_SECONDS = 0.05 if QUICK else 1.0

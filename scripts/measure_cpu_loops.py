@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 from functools import partial
 
-from benchmarks.common import HELD_ISA
+from benchmarks.common import HELD_ISA, run_held
 from scripts.measure_cpu_products import best_seconds
 
 
@@ -58,10 +55,8 @@ def main() -> None:
         return
     table = {}
     for level in args.levels:
-        env = {**os.environ, **HELD_ISA[level], "OMP_NUM_THREADS": "1"}
-        out = subprocess.run([sys.executable, "-m", "scripts.measure_cpu_loops", "--child"],
-                             env=env, capture_output=True, text=True, check=True)
-        table[level] = json.loads(out.stdout.strip().splitlines()[-1])
+        table[level] = json.loads(run_held("scripts.measure_cpu_loops", level, "--child",
+                                           one_thread=True))
     print(f"{'ms per call, one thread':<58}" + "".join(f"{level:>10}" for level in args.levels))
     for name in table[args.levels[0]]:
         print(f"{name:<58}" + "".join(f"{table[level][name]:>10.2f}" for level in args.levels))

@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from functools import partial
 
-from benchmarks.common import HELD_ISA
+from benchmarks.common import HELD_ISA, run_held
 
 # (in, out): d512 attention projections, feed-forward in and out, the output layer (vocab 8000);
 # the multi30k preset's d256 / 1024.
@@ -80,11 +77,9 @@ def main() -> None:
         return
     table: dict[tuple, dict] = {}
     for level in args.levels:
-        env = {**os.environ, **HELD_ISA[level], "OMP_NUM_THREADS": "1"}
-        out = subprocess.run([sys.executable, "-m", "scripts.measure_cpu_products", "--child",
-                              "--rows", *map(str, args.rows)], env=env, capture_output=True,
-                             text=True, check=True)
-        for r in json.loads(out.stdout.strip().splitlines()[-1]):
+        out = run_held("scripts.measure_cpu_products", level, "--child", "--rows",
+                       *map(str, args.rows), one_thread=True)
+        for r in json.loads(out):
             table.setdefault((level, r["shape"], r["rows"]), {})[r["kernel"]] = r["gflops"]
     kernels = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8"]
     print(f"{'level':<7}{'shape':<10}{'rows':>5}  " + "".join(f"{k:>15}" for k in kernels))

@@ -8,11 +8,8 @@ multi30k-en-de, the first 256 test2016 sources, beam 4, the best hypothesis's to
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 
-from benchmarks.common import HELD_ISA
+from benchmarks.common import HELD_ISA, run_held
 
 
 def agreement() -> str:
@@ -50,10 +47,7 @@ def main() -> None:
         return
     print("int8 kernel  int8 outputs equal to float32's")
     for level in args.levels:
-        out = subprocess.run([sys.executable, "-m", "scripts.measure_int8_agreement", "--child"],
-                             env={**os.environ, **HELD_ISA[level]}, capture_output=True,
-                             text=True, check=True)
-        print(out.stdout.strip().splitlines()[-1])
+        print(run_held("scripts.measure_int8_agreement", level, "--child"))
 
 
 if __name__ == "__main__":
