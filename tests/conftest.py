@@ -89,19 +89,22 @@ TRITON_TESTS = {
 }
 
 
-def interpreted_by_a_twin(item) -> bool:
-    """A case whose Triton launches another case of its test makes too, which the interpreter pass
-    leaves to that twin: the native decoder's (it launches none; the Python decoder's case runs
-    the same teacher-forced forwards), R-Drop's summed loss (summed by torch, after the same
-    kernels as the mean) and the pre-norm autocast cases (no LayerNorm copies, the subject of
-    their test; post-norm's cases launch the same kernels, and the copies)."""
+# The cases the interpreter pass leaves to a twin launching the same Triton kernels, as (test, or
+# "*" for any, parameter, value): the native decoder's (it launches none; the Python decoder's
+# case runs the same teacher-forced forwards), R-Drop's summed loss (summed by torch after the
+# kernels of the mean) and pre-norm's autocast cases (none of the LayerNorm copies the test is
+# about; post-norm's cases launch the same kernels and the copies).
+TRITON_TWINS = [
+    ("*", "decoder_path", "native"),
+    ("test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl", "reduction", "sum"),
+    ("test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit", "pre_norm", True),
+]
+
+
+def left_to_a_twin(item, test: str) -> bool:
     params = getattr(getattr(item, "callspec", None), "params", {})
-    test = getattr(item, "originalname", item.name)
-    return params.get("decoder_path") == "native" or (
-        test == "test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl"
-        and params.get("reduction") == "sum") or (
-        test == "test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit"
-        and params.get("pre_norm") is True)
+    return any(name in ("*", test) and key in params and params[key] == value
+               for name, key, value in TRITON_TWINS)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
@@ -112,7 +115,7 @@ def pytest_collection_modifyitems(config, items):
         modules.setdefault(name, getattr(item, "module", None))
         test = getattr(item, "originalname", item.name)
         if (name in TRITON_MODULES or test in TRITON_TESTS.get(name, ())) \
-                and not interpreted_by_a_twin(item):
+                and not left_to_a_twin(item, test):
             item.add_marker(pytest.mark.triton)
     # A renamed or removed test would leave the interpreter pass silently: name it.
     stale = [f"tests/{name}::{test}" for name, module in modules.items()
