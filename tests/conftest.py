@@ -93,11 +93,13 @@ TRITON_TESTS = {
 # "*" for any, parameter, value): the native decoder's (it launches none; the Python decoder's
 # case runs the same teacher-forced forwards), R-Drop's summed loss (summed by torch after the
 # kernels of the mean) and pre-norm's autocast cases (none of the LayerNorm copies the test is
-# about; post-norm's cases launch the same kernels and the copies).
+# about; post-norm's cases launch the same kernels and the copies), and R-Drop's (the same
+# kernels and copies on the batch twice over).
 TRITON_TWINS = [
     ("*", "decoder_path", "native"),
     ("test_rdrop_loss_is_two_dropout_passes_with_their_symmetric_kl", "reduction", "sum"),
     ("test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit", "pre_norm", True),
+    ("test_layer_norm_copies_give_autocasts_loss_and_gradients_bit_for_bit", "rdrop", True),
 ]
 
 

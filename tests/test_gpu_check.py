@@ -32,7 +32,7 @@ def test_dry_run_runs_every_stage_and_writes_its_report(tmp_path):
     assert ops == {"attention", "attention_packed", "layer_norm_residual",
                    "label_smoothed_cross_entropy", "linear_cross_entropy", "relu_backward_bias",
                    "embedding"}
-    assert {row["dtype"] for row in correctness} == set(gpu_check.DTYPES)
+    assert {row["dtype"] for row in correctness} == {"fp16", "bf16", "fp32"}  # no tf32 on a CPU
     assert all(row["passed"] for row in correctness)
     # The cases no GPU had checked, each run (interpreted) at the dry run's shapes.
     variants = {row["variant"] for row in correctness}
@@ -114,6 +114,7 @@ def test_tf32_rows_are_graded_against_tf32s_own_error(tmp_path, monkeypatch, bit
     """A correct single-pass tf32 attention errs 6e-4 to 2e-3, hundreds of times SDPA's float32
     error: its row passes, graded against tf32_attention's error; products reading bf16 fail."""
     monkeypatch.setattr(gpu_check, "ops", attention_stand_in(bits, cut))
+    monkeypatch.setattr(gpu_check, "dtypes", lambda check: gpu_check.DTYPES)  # tf32 too
     check = gpu_check.Check(torch.device("cpu"), True, tmp_path)
     rows = {row["dtype"]: row for row in gpu_check.attention_case(
         check, "self", 64, 64, 64, False, None)}
