@@ -34,17 +34,20 @@ struct RowLse {
 
   // Always inlined: a call would pass the vector in a register only some callers' targets have.
   FASTATTN_INLINE void add16(v16 a) {
-    float values[kPanel];
-    std::memcpy(values, &a, sizeof values);
-    for (int half = 0; half < kPanel; half += 8) {
-      const v8 x = load8(values + half), m = load8(max + half);
-      if (any(x > m)) {  // rare after the first panels: rescale the lanes whose maximum grew
-        const v8 grown = x > m ? x : m;
-        store8(sum + half, load8(sum + half) * exp_nonpositive(m - grown));
-        store8(max + half, grown);
-      }
-      store8(sum + half, load8(sum + half) + exp_nonpositive(x - load8(max + half)));
+    add8(low8(a), 0);
+    add8(high8(a), 8);
+  }
+
+  // Lanes [first, first + 8) (first 0 or 8): AVX2's products add each half of a panel as it
+  // leaves its register, where a 16-float vector went through the stack.
+  FASTATTN_INLINE void add8(v8 x, int64_t first) {
+    const v8 m = load8(max + first);
+    if (any(x > m)) {  // rare after the first panels: rescale the lanes whose maximum grew
+      const v8 grown = x > m ? x : m;
+      store8(sum + first, load8(sum + first) * exp_nonpositive(m - grown));
+      store8(max + first, grown);
     }
+    store8(sum + first, load8(sum + first) + exp_nonpositive(x - load8(max + first)));
   }
 
   // A last panel's `width` values.
