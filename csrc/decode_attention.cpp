@@ -230,8 +230,10 @@ void attend_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v
   // Threads only pay off with some work per task: about 64k multiply-adds.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, R * L * (Dk + Dv)));
   at::parallel_for(0, G * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> p(L), biases(bp ? L : 0);
-    std::vector<const scalar_t *> keys(L), values(L);
+    // Per thread, kept between calls (a step attends once per layer and kind).
+    thread_local std::vector<scalar_t> p, biases;
+    thread_local std::vector<const scalar_t *> keys, values;
+    p.resize(L), biases.resize(bp ? L : 0), keys.resize(L), values.resize(L);
     for (int64_t gh = begin; gh < end; ++gh) {
       const int64_t g = gh / H, h = gh % H;
       for (int64_t j = 0; j < L; ++j) {
@@ -299,6 +301,15 @@ void check_rows(const at::Tensor &rows, int64_t groups, int64_t keys, int64_t ca
     for (int64_t j = 0; j < index.size(1); ++j)
       inside &= index[g][j] >= 0 && index[g][j] < cache_rows;
   TORCH_CHECK(inside, what, " holds rows outside 0..", cache_rows - 1);
+}
+
+// x = max(x, 0) in place, NaN kept, as relu_ computes it for a contiguous x: a plain loop, where
+// relu_ built a TensorIterator for each few-row step.
+void relu_rows_(at::Tensor &x) {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "relu_rows_", [&] {
+    scalar_t *xp = x.data_ptr<scalar_t>();
+    for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] = xp[i] < 0 ? scalar_t(0) : xp[i];
+  });
 }
 
 }  // namespace
@@ -437,7 +448,8 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
     add_layer_norm_(y, linear(c, 3), p[kCrossNormWeight], p[kCrossNormBias], eps);
     // Feed-forward network.
     auto hidden = linear(y, 4);
-    add_layer_norm_(y, linear(hidden.relu_(), 5), p[kFeedForwardNormWeight],
+    relu_rows_(hidden);
+    add_layer_norm_(y, linear(hidden, 5), p[kFeedForwardNormWeight],
                     p[kFeedForwardNormBias], eps);
   }
   return y;

@@ -397,8 +397,9 @@ at::Tensor linear_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == O &&
                         bias->scalar_type() == at::kFloat && bias->is_contiguous()),
               "linear_int8: bias must be a contiguous float32 (", O, ") tensor");
-  std::vector<uint8_t> bytes;
-  std::vector<float> xscale;
+  // Per thread, kept between calls: a decoding step makes several products of a few rows.
+  thread_local std::vector<uint8_t> bytes;
+  thread_local std::vector<float> xscale;
   auto product = quantize_input(x, panels, scales, sums, bytes, xscale);
   auto out = at::empty({x.size(0), O}, x.options());
   product.bias = bias ? bias->data_ptr<float>() : nullptr;
@@ -423,8 +424,9 @@ void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &pane
                   out.is_contiguous() && out.scalar_type() == at::kFloat,
               "log_softmax_linear_int8: out must be a contiguous float32 (", x.size(0), ", ",
               scales.size(0), ") tensor, got ", out.sizes(), " ", out.scalar_type());
-  std::vector<uint8_t> bytes;
-  std::vector<float> xscale;
+  // Per thread, kept between calls: a decoding step makes several products of a few rows.
+  thread_local std::vector<uint8_t> bytes;
+  thread_local std::vector<float> xscale;
   auto product = quantize_input(x, panels, scales, sums, bytes, xscale);
   product.out = out.data_ptr<float>();
   log_softmax_panels(product.N, product.O, panels.size(0), panel_grain(product.N, product.D4),
