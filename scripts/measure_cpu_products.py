@@ -1,6 +1,7 @@
 """The decoder's and trainer's linear maps on this CPU, per instruction-set level: fastattn._C's
 packed float32 and int8 products against what torch's wheel ships (MKL's sgemm through F.linear,
-fbgemm's dynamic int8 linear on prepacked weights), GFLOP/s on one thread.
+fbgemm's dynamic int8 linear on prepacked weights), and at the output layers' shapes the decoding
+step's fused log_softmax(x · Wᵀ) against F.linear + log_softmax; GFLOP/s on one thread.
 
     python -m scripts.measure_cpu_products [--levels avx512 avx2] [--rows 1 4 16 64 256]
 
@@ -18,8 +19,11 @@ from functools import partial
 from benchmarks.common import HELD_ISA, run_held
 
 # (in, out): d512 attention projections, feed-forward in and out, the output layer (vocab 8000);
-# the multi30k preset's d256 / 1024.
-SHAPES = [(512, 512), (512, 2048), (2048, 512), (512, 8000), (256, 256), (256, 1024)]
+# the multi30k preset's d256 / 1024; the shipped multi30k model's output layer (d128, 5455 words).
+SHAPES = [(512, 512), (512, 2048), (2048, 512), (512, 8000), (256, 256), (256, 1024), (128, 5455)]
+OUTPUT_LAYERS = {(512, 8000), (128, 5455)}
+KERNELS = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8",
+           "fastattn log_softmax", "torch log_softmax"]
 
 
 def best_seconds(fn, budget: float = 0.3) -> float:
@@ -59,6 +63,9 @@ def measure(rows_list: list[int]) -> list[dict]:
                 "fastattn int8": partial(ops.linear_int8, x, *int8, b),
                 "fbgemm int8": partial(torch.ops.quantized.linear_dynamic, x, fbgemm, True),
             }
+            if (d_in, d_out) in OUTPUT_LAYERS:
+                cases["fastattn log_softmax"] = partial(ops.log_softmax_linear, x, w, packed)
+                cases["torch log_softmax"] = lambda x=x, w=w: F.log_softmax(F.linear(x, w), -1)
             for name, fn in cases.items():
                 seconds = best_seconds(fn)
                 results.append({"shape": f"{d_in}x{d_out}", "rows": rows, "kernel": name,
@@ -81,10 +88,10 @@ def main() -> None:
                        *map(str, args.rows), one_thread=True)
         for r in json.loads(out):
             table.setdefault((level, r["shape"], r["rows"]), {})[r["kernel"]] = r["gflops"]
-    kernels = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8"]
-    print(f"{'level':<7}{'shape':<10}{'rows':>5}  " + "".join(f"{k:>15}" for k in kernels))
+    print(f"{'level':<7}{'shape':<10}{'rows':>5}  " + "".join(f"{k:>21}" for k in KERNELS))
     for (level, shape, rows), row in table.items():
-        print(f"{level:<7}{shape:<10}{rows:>5}  " + "".join(f"{row[k]:>15.1f}" for k in kernels))
+        print(f"{level:<7}{shape:<10}{rows:>5}  "
+              + "".join(f"{row[k]:>21.1f}" if k in row else f"{'–':>21}" for k in KERNELS))
 
 
 if __name__ == "__main__":
