@@ -66,7 +66,7 @@ FASTATTN_INLINE void finish(const Bf16Product &a, int64_t n, int64_t p, const fl
   if (lse) lse->add(y, columns);
 }
 
-// The fallback of CPUs without AVX-512 BF16: vdpbf16ps's sums in its order (the odd input of a
+// The fallback of CPUs without AVX2: vdpbf16ps's sums in its order (the odd input of a
 // pair first; products of two bfloat16s are exact in float32). Not loop-vectorised: GCC 12.2's
 // loop vectoriser miscompiles these sums at -O3 (six products of ones summed to 7), written
 // with the loops either way round.
@@ -91,6 +91,75 @@ __attribute__((optimize("no-tree-loop-vectorize"))) void panels_scalar(const Bf1
 }
 
 #ifdef FASTATTN_X86
+#define FASTATTN_AVX2_INLINE FASTATTN_TARGET_AVX2 inline __attribute__((always_inline))
+
+// The eight columns [o, o + 8) of row n from their sums in one AVX2 register (lanes [first,
+// first + 8) of the row's log-sum-exp): through an array on the stack, the halves' stores and
+// the whole-vector load stall store forwarding (csrc/packed_linear.cpp).
+FASTATTN_AVX2_INLINE void finish_half(const Bf16Product &a, int64_t n, int64_t o, v8 y,
+                                      RowLse *lse, int64_t first) {
+  if (a.bias) y += load8(a.bias + o);
+  store_as<v8>(a.out + n * a.O + o, y);
+  if (lse) lse->add8(y, first);
+}
+
+// Rows [n, n + R) against panel p on AVX2, which has no vdpbf16ps: the same sums in the same
+// order from float32 multiply-adds. A bfloat16 is the upper half of a float32, so a pair's
+// 32-bit lane (even input low, odd input high) gives the odd input masked and the even one
+// shifted up; a product of two bfloat16s is exact in float32, so each fma rounds once, as
+// vdpbf16ps's additions do (bit for bit with panels_scalar). R · 2 accumulators (outputs 0-7,
+// 8-15), four weight vectors and a row's two inputs: 15 of the 16 registers at R = 4.
+template <int R>
+FASTATTN_AVX2_INLINE void block_avx2(const Bf16Product &a, int64_t n, int64_t p, RowLse *lse) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  const uint16_t *panel = a.panels + p * a.D2 * kVector;
+  const uint16_t *x = a.x + n * a.xs;
+  for (int64_t k = 0; k < a.D2; ++k) {
+    const auto *w = reinterpret_cast<const __m256i *>(panel + k * kVector);
+    const __m256i w0 = _mm256_loadu_si256(w), w1 = _mm256_loadu_si256(w + 1);
+    const __m256 odd0 = _mm256_castsi256_ps(_mm256_and_si256(w0, high));
+    const __m256 even0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    const __m256 odd1 = _mm256_castsi256_ps(_mm256_and_si256(w1, high));
+    const __m256 even1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * a.xs + k * kPair, sizeof pair);
+      const __m256i xr = _mm256_set1_epi32(pair);
+      const __m256 xo = _mm256_castsi256_ps(_mm256_and_si256(xr, high));
+      const __m256 xe = _mm256_castsi256_ps(_mm256_slli_epi32(xr, 16));
+      acc[r][0] = _mm256_fmadd_ps(xe, even0, _mm256_fmadd_ps(xo, odd0, acc[r][0]));
+      acc[r][1] = _mm256_fmadd_ps(xe, even1, _mm256_fmadd_ps(xo, odd1, acc[r][1]));
+    }
+  }
+  const bool whole = (p + 1) * kPanel <= a.O;
+  for (int r = 0; r < R; ++r) {
+    RowLse *row_lse = lse ? lse + n + r : nullptr;
+    if (whole) {
+      finish_half(a, n + r, p * kPanel, reinterpret_cast<v8>(acc[r][0]), row_lse, 0);
+      finish_half(a, n + r, p * kPanel + 8, reinterpret_cast<v8>(acc[r][1]), row_lse, 8);
+      continue;
+    }
+    float sums[kPanel];
+    _mm256_storeu_ps(sums, acc[r][0]);
+    _mm256_storeu_ps(sums + 8, acc[r][1]);
+    finish(a, n + r, p, sums, row_lse);
+  }
+}
+
+FASTATTN_TARGET_AVX2 void panels_avx2(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  for (int64_t p = p0; p < p1; ++p) {
+    int64_t n = 0;
+    for (; n + 4 <= a.N; n += 4) block_avx2<4>(a, n, p, lse);
+    switch (a.N - n) {
+      case 3: block_avx2<3>(a, n, p, lse); break;
+      case 2: block_avx2<2>(a, n, p, lse); break;
+      case 1: block_avx2<1>(a, n, p, lse); break;
+    }
+  }
+}
+
 #define FASTATTN_BF16 __attribute__((target("arch=x86-64-v4,avx512bf16")))
 #define FASTATTN_BF16_INLINE FASTATTN_BF16 inline __attribute__((always_inline))
 
@@ -153,6 +222,7 @@ FASTATTN_BF16 void panels_bf16(const Bf16Product &a, int64_t p0, int64_t p1, Row
 void run_panels(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
 #ifdef FASTATTN_X86
   if (use_avx512_bf16()) return panels_bf16(a, p0, p1, lse);
+  if (cpu_isa() >= CpuIsa::kAvx2) return panels_avx2(a, p0, p1, lse);
 #endif
   panels_scalar(a, p0, p1, lse);
 }
@@ -261,6 +331,12 @@ at::Tensor log_softmax_linear_bf16_cpu(const at::Tensor &x, const at::Tensor &pa
   return out;
 }
 
-std::string bf16_kernel_cpu() { return use_avx512_bf16() ? "avx512-bf16" : "scalar"; }
+std::string bf16_kernel_cpu() {
+  if (use_avx512_bf16()) return "avx512-bf16";
+#ifdef FASTATTN_X86
+  if (cpu_isa() >= CpuIsa::kAvx2) return "avx2";
+#endif
+  return "scalar";
+}
 
 }  // namespace fastattn

@@ -1,6 +1,7 @@
 // bfloat16 linear maps for decoding (precision="bf16"): the weights rounded to bfloat16 once, each
 // activation row rounded on the fly, products summed in float32 by AVX-512 BF16's vdpbf16ps (two
-// pairs per lane and instruction), or by a scalar loop of the same sums elsewhere:
+// pairs per lane and instruction), by AVX2 float32 multiply-adds or a scalar loop of the same
+// sums in the same order elsewhere:
 //   y[n, o] = Σ_d bf16(x[n, d]) · bf16(w[o, d]) + bias[o].
 #pragma once
 

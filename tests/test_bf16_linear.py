@@ -87,17 +87,37 @@ def test_bf16_edges(at_every_cpu_isa):
 
 
 def test_every_level_computes_what_avx512_bf16_computes(at_every_cpu_isa):
-    """Below AVX-512 BF16 the scalar loop sums as vdpbf16ps does; the instruction flushes
-    subnormal values to zero and the loop does not, and the loop's float32 sums are contracted
-    differently per level, so the levels agree to float32 rounding, not bit for bit."""
+    """Below AVX-512 BF16 the AVX2 kernel and the scalar loop sum as vdpbf16ps does; the
+    instruction flushes subnormal values to zero and they do not, so the levels agree to float32
+    rounding, not bit for bit."""
     x, w, b = case(37, 97, 100)
     panels = ops.pack_linear_weight_bf16(w)
     outs = [ops.linear_bf16(x, panels, b, 100), ops.log_softmax_linear_bf16(x, panels, 100)]
     has_bf16 = "avx512_bf16" in CPU_FLAGS
-    assert ops.bf16_kernel() == ("avx512-bf16" if at_every_cpu_isa == "avx512" and has_bf16
-                                 else "scalar")
+    expected = {"avx512": "avx512-bf16" if has_bf16 else "avx2", "avx2": "avx2", "scalar": "scalar"}
+    assert ops.bf16_kernel() == expected[at_every_cpu_isa]
     set_cpu_isa(supported_cpu_isas()[-1])
     assert torch.equal(ops.pack_linear_weight_bf16(w), panels)
     best = [ops.linear_bf16(x, panels, b, 100), ops.log_softmax_linear_bf16(x, panels, 100)]
     for out, best_out in zip(outs, best, strict=True):
         torch.testing.assert_close(out, best_out, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif("avx2" not in supported_cpu_isas(), reason="this CPU has no AVX2")
+@pytest.mark.parametrize(("rows", "inputs", "outputs"), SHAPES)
+def test_avx2_sums_as_the_scalar_loop_bit_for_bit(rows, inputs, outputs):
+    """The AVX2 kernel's fused multiply-adds round as the scalar loop's products and sums do (a
+    product of bfloat16s is exact in float32): equal bits, every row-block size and last panel."""
+    x, w, bias = case(rows, inputs, outputs, seed=2)
+    panels = ops.pack_linear_weight_bf16(w)
+    before = ops.cpu_isa()
+    outs = {}
+    try:
+        for level in ("avx2", "scalar"):
+            set_cpu_isa(level)
+            outs[level] = (ops.linear_bf16(x, panels, bias, outputs),
+                           ops.log_softmax_linear_bf16(x, panels, outputs))
+    finally:
+        set_cpu_isa(before)
+    for avx2, scalar in zip(outs["avx2"], outs["scalar"], strict=True):
+        assert torch.equal(avx2, scalar)
