@@ -1,5 +1,5 @@
 """The decoder's and trainer's linear maps on this CPU, per instruction-set level: fastattn._C's
-packed float32 and int8 products against what torch's wheel ships (MKL's sgemm through F.linear,
+packed float32, int8 and bf16 products against what torch's wheel ships (MKL's sgemm through F.linear,
 fbgemm's dynamic int8 linear on prepacked weights), and at the output layers' shapes the decoding
 step's fused log_softmax(x · Wᵀ) against F.linear + log_softmax; GFLOP/s on one thread.
 
@@ -22,7 +22,7 @@ from benchmarks.common import HELD_ISA, run_held
 # the multi30k preset's d256 / 1024; the shipped multi30k model's output layer (d128, 5455 words).
 SHAPES = [(512, 512), (512, 2048), (2048, 512), (512, 8000), (256, 256), (256, 1024), (128, 5455)]
 OUTPUT_LAYERS = {(512, 8000), (128, 5455)}
-KERNELS = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8",
+KERNELS = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8", "fastattn bf16",
            "fastattn log_softmax", "torch log_softmax"]
 
 
@@ -50,6 +50,7 @@ def measure(rows_list: list[int]) -> list[dict]:
         b = torch.randn(d_out)
         packed = ops.pack_linear_weight(w)
         int8 = ops.quantize_linear_weight(w)
+        bf16 = ops.pack_linear_weight_bf16(w)
         per_channel = torch.quantize_per_channel(w, w.abs().amax(1) / 127,
                                                  torch.zeros(d_out, dtype=torch.long), 0,
                                                  torch.qint8)
@@ -62,6 +63,7 @@ def measure(rows_list: list[int]) -> list[dict]:
                 "F.linear fp32": partial(F.linear, x, w, b),
                 "fastattn int8": partial(ops.linear_int8, x, *int8, b),
                 "fbgemm int8": partial(torch.ops.quantized.linear_dynamic, x, fbgemm, True),
+                "fastattn bf16": partial(ops.linear_bf16, x, bf16, b, d_out),
             }
             if (d_in, d_out) in OUTPUT_LAYERS:
                 cases["fastattn log_softmax"] = partial(ops.log_softmax_linear, x, w, packed)
