@@ -1,7 +1,8 @@
 """The decoder's and trainer's linear maps on this CPU, per instruction-set level: fastattn._C's
-packed float32, int8 and bf16 products against what torch's wheel ships (MKL's sgemm through F.linear,
-fbgemm's dynamic int8 linear on prepacked weights), and at the output layers' shapes the decoding
-step's fused log_softmax(x · Wᵀ) against F.linear + log_softmax; GFLOP/s on one thread.
+packed float32, int8 and bf16 products against what torch's wheel ships (MKL's sgemm through
+F.linear, fbgemm's dynamic int8 linear on prepacked weights), and at the output layers' shapes
+the decoding step's fused log_softmax(x · Wᵀ) against F.linear + log_softmax; GFLOP/s on one
+thread.
 
     python -m scripts.measure_cpu_products [--levels avx512 avx2] [--rows 1 4 16 64 256]
 
