@@ -3,6 +3,8 @@ import cycle among its modules, and the command lines' short usage on a bad flag
 
 import ast
 import itertools
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +19,6 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
-    import os
-
     return subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -194,6 +194,27 @@ def test_the_model_imports_nothing_from_the_inference_wing():
     assert "fastattn.inference.decoder" in graph  # the wing is there, and imports the model
     assert "fastattn.model" in graph["fastattn.inference.decoder"]
     assert wing == [], f"fastattn.model imports {direct}, which reach {wing}"
+
+
+def test_the_readme_map_names_every_module_and_nothing_that_is_not_there():
+    """README's architecture map names each module and package of fastattn/ and kernels/ (a
+    sub-package's modules by their names), and every file or folder it names exists."""
+    block = (REPO / "README.md").read_text().split("## Architecture", 1)[1].split("```")[1]
+    words = set(re.findall(r"\w+", block))
+    unnamed = sorted(
+        str(path.relative_to(REPO)) for folder in PACKAGES.values() for path in folder.rglob("*")
+        if "__pycache__" not in path.parts and (
+            path.suffix == ".py" and path.stem not in ("__init__", "__main__")
+            or path.is_dir() and (path / "__init__.py").exists())
+        and path.stem not in words)
+    assert not unnamed, f"README's map does not name {unnamed}"
+    files = set()
+    for _, folders, names in os.walk(REPO):
+        folders[:] = [f for f in folders if not f.startswith(".") and f != "build"]
+        files.update(folders, names)
+    named = re.findall(r"[\w.]+\.(?:py|sh|json)\b|\w+/(?=[\s,)]|$)", block)  # files, folders/
+    missing = sorted(name for name in named if name.rstrip("/") not in files)
+    assert not missing, f"README's map names {missing}, which do not exist"
 
 
 def test_no_library_module_imports_the_tools():
