@@ -91,8 +91,6 @@ __attribute__((optimize("no-tree-loop-vectorize"))) void panels_scalar(const Bf1
 }
 
 #ifdef FASTATTN_X86
-#define FASTATTN_AVX2_INLINE FASTATTN_TARGET_AVX2 inline __attribute__((always_inline))
-
 // The eight columns [o, o + 8) of row n from their sums in one AVX2 register (lanes [first,
 // first + 8) of the row's log-sum-exp): through an array on the stack, the halves' stores and
 // the whole-vector load stall store forwarding (csrc/packed_linear.cpp).
@@ -219,12 +217,24 @@ FASTATTN_BF16 void panels_bf16(const Bf16Product &a, int64_t p0, int64_t p1, Row
 }
 #endif
 
-void run_panels(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+enum class Bf16Kernel { kAvx512Bf16, kAvx2, kScalar };
+
+Bf16Kernel bf16_kernel() {
 #ifdef FASTATTN_X86
-  if (use_avx512_bf16()) return panels_bf16(a, p0, p1, lse);
-  if (cpu_isa() >= CpuIsa::kAvx2) return panels_avx2(a, p0, p1, lse);
+  if (use_avx512_bf16()) return Bf16Kernel::kAvx512Bf16;
+  if (cpu_isa() >= CpuIsa::kAvx2) return Bf16Kernel::kAvx2;
 #endif
-  panels_scalar(a, p0, p1, lse);
+  return Bf16Kernel::kScalar;
+}
+
+void run_panels(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  switch (bf16_kernel()) {
+#ifdef FASTATTN_X86
+    case Bf16Kernel::kAvx512Bf16: return panels_bf16(a, p0, p1, lse);
+    case Bf16Kernel::kAvx2: return panels_avx2(a, p0, p1, lse);
+#endif
+    default: return panels_scalar(a, p0, p1, lse);
+  }
 }
 
 void check_packed(const at::Tensor &x, const at::Tensor &panels, int64_t O, const char *op) {
@@ -332,11 +342,11 @@ at::Tensor log_softmax_linear_bf16_cpu(const at::Tensor &x, const at::Tensor &pa
 }
 
 std::string bf16_kernel_cpu() {
-  if (use_avx512_bf16()) return "avx512-bf16";
-#ifdef FASTATTN_X86
-  if (cpu_isa() >= CpuIsa::kAvx2) return "avx2";
-#endif
-  return "scalar";
+  switch (bf16_kernel()) {
+    case Bf16Kernel::kAvx512Bf16: return "avx512-bf16";
+    case Bf16Kernel::kAvx2: return "avx2";
+    default: return "scalar";
+  }
 }
 
 }  // namespace fastattn

@@ -45,6 +45,8 @@ bool use_avx512_bf16();
 #define FASTATTN_X86 1
 #define FASTATTN_TARGET_AVX512 __attribute__((target("arch=x86-64-v4")))
 #define FASTATTN_TARGET_AVX2 __attribute__((target("arch=x86-64-v3")))
+// Helpers of hand-written AVX2 kernels, inlined into them.
+#define FASTATTN_AVX2_INLINE FASTATTN_TARGET_AVX2 inline __attribute__((always_inline))
 
 // Defines name(args...) that runs body(args...), an always-inlined function, compiled for each
 // level: x86-64-v4, x86-64-v3 and the baseline, the one called picked by cpu_isa().

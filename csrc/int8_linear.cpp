@@ -122,7 +122,6 @@ FASTATTN_INLINE void panels_scalar_body(const Int8Product &a, int64_t p0, int64_
 FASTATTN_PER_ISA(panels_scalar, panels_scalar_body)
 
 #ifdef FASTATTN_X86
-#define FASTATTN_AVX2_INLINE FASTATTN_TARGET_AVX2 inline __attribute__((always_inline))
 
 // finish for the eight columns [o, o + 8) of row n, all in the output, from their sums in one
 // AVX2 register (lanes [first, first + 8) of the row's log-sum-exp), offset 64: the sums stay in
