@@ -243,6 +243,11 @@ FASTATTN_INLINE void backward_head(const Head &a, const float *q, const float *k
   }
 }
 
+// One pair's loops at the level in use, compiled once per level for float32 and bfloat16 pairs
+// alike (they work on float32 copies): inlined into each pair loop, they doubled the build.
+FASTATTN_PER_ISA(run_forward_head, forward_head)
+FASTATTN_PER_ISA(run_backward_head, backward_head)
+
 FASTATTN_INLINE float to_float(float x) { return x; }
 FASTATTN_INLINE float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 
@@ -419,7 +424,7 @@ FASTATTN_INLINE void forward_pairs(const Problem &p, const Rows<T> &q, const Row
     transpose(Q, n.Lqp, n.Dp, Qt);
     load_rows(k.at(b, h), k.sl, p.Lk, p.D, K, n.Dp, p.Lk);
     load_rows(v.at(b, h), v.sl, p.Lk, p.D, V, n.Dp, p.Lk);
-    forward_head(p.at(b, h), K, V, Qt, St, O, lse + bh * p.Lq);
+    run_forward_head(p.at(b, h), K, V, Qt, St, O, lse + bh * p.Lq);
     store_rows(O, n.Dp, p.Lq, p.D, out.at(b, h), out.sl);
   }
 }
@@ -453,7 +458,7 @@ FASTATTN_INLINE void backward_pairs(const Problem &p, const Rows<T> &dout, const
       load_rows(out.at(b, h) + i * out.sl, out.sl, 1, p.D, O, n.Dp, 1);
       delta[i] = dot(dO + i * n.Dp, O, n.Dp);
     }
-    backward_head(p.at(b, h), Q, K, V, dO, Qt, dOt, delta, lse + bh * p.Lq, Pt, dSt, Pz, dQ, dK,
+    run_backward_head(p.at(b, h), Q, K, V, dO, Qt, dOt, delta, lse + bh * p.Lq, Pt, dSt, Pz, dQ, dK,
                   dV);
     store_rows(dQ, n.Dp, p.Lq, p.D, dq.at(b, h), dq.sl);
     store_rows(dK, n.Dp, p.Lk, p.D, dk.at(b, h), dk.sl);

@@ -1,6 +1,6 @@
 // Registers fastattn._C's ops in the "fastattn" torch.library namespace (a fragment: the Python
 // side of fastattn registers ops there too). Importing fastattn._C is what loads them.
-#include <torch/extension.h>
+#include <Python.h>
 #include <torch/library.h>
 
 #include "attention.h"
@@ -110,6 +110,11 @@ TORCH_LIBRARY_IMPL(fastattn, CUDA, m) {
 }
 #endif
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fastattn native ops, registered as torch.ops.fastattn.*";
+// An empty Python module: importing it runs the registrations above. Plain CPython rather than
+// pybind11 (torch/extension.h), whose headers took most of this file's build.
+PyMODINIT_FUNC PyInit__C() {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C",
+                               "fastattn native ops, registered as torch.ops.fastattn.*", -1,
+                               nullptr};
+  return PyModule_Create(&module);
 }
