@@ -171,7 +171,7 @@ void subtract_rows(float *x, int64_t O, const float *lse, int64_t begin, int64_t
 }
 
 bool packed_linear_wins(int64_t rows, int64_t depth) {
-  return cpu_isa() == CpuIsa::kAvx512 || rows <= 32 || depth >= 512;
+  return cpu_isa() != CpuIsa::kScalar || rows <= 32 || depth >= 512;
 }
 
 at::Tensor pack_linear_weight_cpu(const at::Tensor &weight) {

@@ -11,10 +11,11 @@
 namespace fastattn {
 
 // Whether the panel kernel beats ATen's GEMM (MKL) for x (rows, depth), which packs its weight at
-// every call. Measured on one thread of a Zen 4 (built with the panels at every shape): with AVX-512
-// the panels win at every decoder shape (1-256 rows, depth 128-2048); held to AVX2 they win up
-// to 32 rows and at depth 512 and more, while at depth 128-256 MKL's blocking is 5-20% faster
-// from 64 rows on.
+// every call. Measured on one thread of a Zen 4 (the panels forced at every shape): with AVX-512
+// and AVX2 the panels win at every decoder shape (1-256 rows, depth 128-2048; held to AVX2, since
+// its halves leave their registers directly, 90-114 GFLOP/s against MKL's 80-102 from 64 rows,
+// 42-107 against 19-75 below). The baseline level's 4-float panels (35 GFLOP/s) keep the rule
+// measured before for AVX2: up to 32 rows and at depth 512 and more.
 bool packed_linear_wins(int64_t rows, int64_t depth);
 
 // weight (O, D) float32 -> panels (ceil(O / 16), D, 16), zero-padded past O.

@@ -179,11 +179,12 @@ def test_decoder_step_bad_input_errors():
         torch.ops.fastattn.decoder_step(x, params, *args[:-2], panels[:-1], 1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 33])
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 32, 33, 97])
 @pytest.mark.parametrize("out_features, in_features", [(1, 8), (17, 17), (97, 64), (1023, 128)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_packed_linear_matches_fp64(at_every_cpu_isa, rows, out_features, in_features, with_bias):
-    """fastattn::linear through the few-row panels (rows <= 32) and through ATen (33 rows)."""
+    """fastattn::linear through the panels (AVX2 and AVX-512: any rows; the baseline level: up to
+    32) and through ATen (the baseline level from 33 rows at these depths)."""
     x = torch.randn(rows, in_features)
     weight = torch.randn(out_features, in_features)
     bias = torch.randn(out_features) if with_bias else None
