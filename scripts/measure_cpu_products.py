@@ -20,8 +20,10 @@ from functools import partial
 from benchmarks.common import HELD_ISA, run_held
 
 # (in, out): d512 attention projections, feed-forward in and out, the output layer (vocab 8000);
-# the multi30k preset's d256 / 1024; the shipped multi30k model's output layer (d128, 5455 words).
-SHAPES = [(512, 512), (512, 2048), (2048, 512), (512, 8000), (256, 256), (256, 1024), (128, 5455)]
+# the multi30k preset's d256 / 1024; the shipped multi30k model's (d128, feed-forward 256): its
+# decoder's qkv, other attention maps, W1 and W2, and its output layer (5455 words).
+SHAPES = [(512, 512), (512, 2048), (2048, 512), (512, 8000), (256, 256), (256, 1024),
+          (128, 384), (128, 128), (128, 256), (256, 128), (128, 5455)]
 OUTPUT_LAYERS = {(512, 8000), (128, 5455)}
 KERNELS = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8", "fastattn bf16",
            "fastattn log_softmax", "torch log_softmax"]
