@@ -8,7 +8,8 @@
 // the Triton kernels do; memory grows linearly with the lengths.
 #include "attention.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

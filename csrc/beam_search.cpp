@@ -5,7 +5,8 @@
 #include "cpu_isa.h"
 #include "vector_math.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>

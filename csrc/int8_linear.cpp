@@ -4,7 +4,9 @@
 #include "row_lse.h"
 #include "vector_math.h"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
