@@ -573,8 +573,11 @@ def main(argv: list[str] | None = None) -> None:
     if not problem and (args.json is None or not args.compile_report.exists()):
         problem = run_compile_report(args.compile_report)
     compile_rows = None if problem else json.loads(args.compile_report.read_text())
+    # Held runs sit beside the native results they are shown with (benchmarks/results_avx2.json
+    # beside results.json): rendering other results shows only the held runs saved beside them.
+    native = args.json or args.save
     held = {level: json.loads(path.read_text()) for level in ("avx2",)
-            if (path := RESULTS.with_name(f"results_{level}.json")).exists()}
+            if (path := native.with_name(f"results_{level}.json")).exists()}
     args.output.write_text(render(results, compile_rows, problem, held))
     print(f"wrote {args.output}")
 
