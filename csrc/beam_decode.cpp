@@ -101,18 +101,24 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
   // the live ones down at every finish copied more than the cross-attention reads.
   std::optional<at::Tensor> row_sentences;
 
-  auto logits = reuse(workspace.logits, {B * beam, output.size(0)}, cache_options);
-  // int8: the output projection is the quantized embedding's first output.size(0) rows.
   // int8 and bf16: the output projection is the packed embedding's first output.size(0) rows.
+  const int64_t O = output.size(0);
   at::Tensor output_panels, output_scales, output_sums;
   if (int8 || bf16) {
-    const int64_t O = output.size(0);
     output_panels = output_packed[0].narrow(0, 0, (O + 15) / 16);
     if (int8) {
       output_scales = output_packed[kInt8Scales].narrow(0, 0, O);
       output_sums = output_packed[kInt8Sums].narrow(0, 0, O);
     }
   }
+  // Through panels the search reads each row's log-sum-exp and 2·beam + 8 largest logits, enough
+  // to settle its candidates but at ties (row_lse.h's OutputRows): the N x O logits are never
+  // written (at batch 64 the writes alone slowed the multi30k model's output layer by a fifth).
+  // Other outputs (float64, no panels; very wide beams) give the search whole rows.
+  const int top = static_cast<int>(2 * beam + 8);
+  const bool by_top = (int8 || bf16 || !output_packed.empty()) && top <= RowTop::kMost && top <= O;
+  at::Tensor logits;
+  if (!by_top) logits = reuse(workspace.logits, {B * beam, O}, cache_options);
   auto tokens = at::full({B, 1}, bos_id, long_options);
   auto scores = at::zeros({B}, finished_scores.options());
   auto sentences = at::arange(B, long_options);
@@ -131,19 +137,31 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
     x = x.mul(embedding_scale).add(positions.select(0, length));
     x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, memory_k,
                          memory_v, memory_bias, row_sentences, packed, eps);
-    auto logprobs = logits.narrow(0, 0, N);
-    if (int8)
-      log_softmax_linear_int8_out_cpu(x, output_panels, output_scales, output_sums, logprobs);
-    else if (bf16)
-      log_softmax_linear_bf16_out_cpu(x, output_panels, logprobs);
-    else
-      log_softmax_linear_out_cpu(x, output, output_packed.empty()
-                                                ? std::nullopt
-                                                : std::optional<at::Tensor>(output_packed[0]),
-                                 logprobs);
-    auto [next_tokens, next_scores, reorder, next_sentences] = beam_search_step_cpu(
-        logprobs.to(at::kFloat), tokens, scores, sentences, max_len, penalty, finished_tokens,
-        finished_scores, finished_lengths, finished_count, eos_id, nbest);
+    StepResult step;
+    if (by_top) {
+      const auto rows = int8   ? output_rows_int8_cpu(x, output_panels, output_scales,
+                                                      output_sums, top)
+                        : bf16 ? output_rows_bf16_cpu(x, output_panels, O, top)
+                               : output_rows_cpu(x, output, output_packed[0], top);
+      step = beam_search_step_rows_cpu(rows, tokens, scores, sentences, max_len, penalty,
+                                       finished_tokens, finished_scores, finished_lengths,
+                                       finished_count, eos_id, nbest);
+    } else {
+      auto logprobs = logits.narrow(0, 0, N);
+      if (int8)
+        log_softmax_linear_int8_out_cpu(x, output_panels, output_scales, output_sums, logprobs);
+      else if (bf16)
+        log_softmax_linear_bf16_out_cpu(x, output_panels, logprobs);
+      else
+        log_softmax_linear_out_cpu(x, output, output_packed.empty()
+                                                  ? std::nullopt
+                                                  : std::optional<at::Tensor>(output_packed[0]),
+                                   logprobs);
+      step = beam_search_step_cpu(logprobs.to(at::kFloat), tokens, scores, sentences, max_len,
+                                  penalty, finished_tokens, finished_scores, finished_lengths,
+                                  finished_count, eos_id, nbest);
+    }
+    auto [next_tokens, next_scores, reorder, next_sentences] = step;
     const int64_t next_S = next_sentences.numel();
     if (next_S == 0) break;
     next_history.narrow(0, 0, reorder.size(0))

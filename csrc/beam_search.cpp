@@ -3,6 +3,7 @@
 #include "beam_search.h"
 
 #include "cpu_isa.h"
+#include "row_lse.h"
 #include "vector_math.h"
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +14,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace fastattn {
@@ -44,6 +46,7 @@ class TopCandidates {
   }
 
   const std::vector<Candidate> &items() const { return items_; }
+  int64_t capacity() const { return capacity_; }
 
   // The score a newcomer must beat, -inf while there is room (then every candidate enters).
   bool full() const { return static_cast<int64_t>(items_.size()) == capacity_; }
@@ -83,6 +86,26 @@ FASTATTN_INLINE bool offer_row_body(const float *row, int64_t vocab, float base,
   return valid;
 }
 FASTATTN_PER_ISA(offer_row, offer_row_body)
+
+// Offers a row of log-probabilities as offer_row does, or at a sentence's last position only its
+// EOS; returns whether every value is a log-probability.
+bool offer_full_row(const float *row, int64_t vocab, float base, int64_t offset, bool last,
+                    int64_t eos_id, TopCandidates &top) {
+  if (!last) return offer_row(row, vocab, base, offset, top);
+  bool valid = true;
+  for (int64_t v = 0; v < vocab; ++v) valid &= row[v] <= 0.f;
+  top.offer(base + row[eos_id], offset + eos_id);
+  return valid;
+}
+
+// Whether a row's largest logits hold every candidate of the row that can enter a top of
+// `wanted`: the wanted-th one's score (base + (logit - lse), as the full row gives it) beats the
+// last kept one's, which is at least any left-out one's (rounding is monotonic). Ties at the
+// edge, a dead row (base -inf) or too few kept logits leave it to the full row.
+bool settles(const RowTop &best, float base, float lse, int64_t wanted) {
+  return best.count == best.capacity && wanted < best.capacity &&
+         base + (best.value[wanted - 1] - lse) > base + (best.value[best.capacity - 1] - lse);
+}
 
 struct LiveBeam {
   int64_t row;  // the row of this step it continues
@@ -129,17 +152,24 @@ void check_step_arguments(FASTATTN_STEP_ARGS) {
               "beam_search_step: prefixes of ", tokens.size(1), " tokens exceed max_len's storage");
 }
 
-StepResult beam_search_step_cpu(FASTATTN_STEP_ARGS) {
-  check_step_arguments(logprobs, tokens, scores, sentences, max_len, penalty, finished_tokens,
-                       finished_scores, finished_lengths, finished_count, eos_id, nbest);
-  const int64_t n = logprobs.size(0), vocab = logprobs.size(1), t = tokens.size(1);
+namespace {
+
+// The step over the rows of `vocab` tokens each, read through offer_rows(first, k_in, last,
+// top): it offers rows [first, first + k_in) (one sentence's; row first + k as indices k · vocab
+// + token) to top, in increasing index order, and returns whether they held log-probabilities.
+template <typename OfferRows>
+StepResult search_step(int64_t vocab, const OfferRows &offer_rows, const at::Tensor &tokens,
+                       const at::Tensor &scores, const at::Tensor &sentences,
+                       const at::Tensor &max_len, const at::Tensor &penalty,
+                       const at::Tensor &finished_tokens, const at::Tensor &finished_scores,
+                       const at::Tensor &finished_lengths, const at::Tensor &finished_count,
+                       int64_t eos_id, int64_t nbest) {
+  const int64_t n = tokens.size(0), t = tokens.size(1);
   const int64_t s = sentences.size(0), k_in = n / s, beam = finished_scores.size(1);
   const int64_t max_tokens = finished_tokens.size(2);
   const int64_t num_candidates = std::min(2 * beam, k_in * vocab);
 
-  const float *lp = logprobs.data_ptr<float>();
   const int64_t *prefix = tokens.data_ptr<int64_t>();
-  const float *prefix_score = scores.data_ptr<float>();
   const int64_t *sentence = sentences.data_ptr<int64_t>();
   const int64_t *limit_of = max_len.data_ptr<int64_t>();
   const double *lp_penalty = penalty.data_ptr<double>();
@@ -158,18 +188,7 @@ StepResult beam_search_step_cpu(FASTATTN_STEP_ARGS) {
 
       // Score update and partial top-k in one pass; at the last position only EOS may follow.
       TopCandidates top(num_candidates);
-      bool valid = true;
-      for (int64_t k = 0; k < k_in; ++k) {
-        const float base = prefix_score[first + k];
-        const float *row = lp + (first + k) * vocab;
-        if (last) {
-          for (int64_t v = 0; v < vocab; ++v) valid &= row[v] <= 0.f;
-          top.offer(base + row[eos_id], k * vocab + eos_id);
-          continue;
-        }
-        valid &= offer_row(row, vocab, base, k * vocab, top);
-      }
-      invalid[i] = !valid;
+      invalid[i] = !offer_rows(first, k_in, last, top);
 
       // Finish EOS among the top beam; back-fill the live beams with the best other candidates.
       int64_t count = fin_count[b], num_live = 0;
@@ -237,6 +256,64 @@ StepResult beam_search_step_cpu(FASTATTN_STEP_ARGS) {
     }
   });
   return {next_tokens, next_scores, reorder, next_sentences};
+}
+
+}  // namespace
+
+StepResult beam_search_step_cpu(FASTATTN_STEP_ARGS) {
+  check_step_arguments(logprobs, tokens, scores, sentences, max_len, penalty, finished_tokens,
+                       finished_scores, finished_lengths, finished_count, eos_id, nbest);
+  const int64_t vocab = logprobs.size(1);
+  const float *lp = logprobs.data_ptr<float>();
+  const float *prefix_score = scores.data_ptr<float>();
+  const auto offer_rows = [&](int64_t first, int64_t k_in, bool last, TopCandidates &top) {
+    bool valid = true;
+    for (int64_t k = 0; k < k_in; ++k)
+      valid &= offer_full_row(lp + (first + k) * vocab, vocab, prefix_score[first + k],
+                              k * vocab, last, eos_id, top);
+    return valid;
+  };
+  return search_step(vocab, offer_rows, tokens, scores, sentences, max_len, penalty,
+                     finished_tokens, finished_scores, finished_lengths, finished_count, eos_id,
+                     nbest);
+}
+
+StepResult beam_search_step_rows_cpu(const OutputRows &output, FASTATTN_STEP_STATE_ARGS) {
+  TORCH_CHECK(static_cast<int64_t>(output.rows.size()) == tokens.size(0),
+              "beam_search_step: ", output.rows.size(), " output rows for ", tokens.size(0),
+              " prefixes");
+  const int64_t vocab = output.vocab;
+  const float *prefix_score = scores.data_ptr<float>();
+  const auto offer_rows = [&](int64_t first, int64_t k_in, bool last, TopCandidates &top) {
+    bool valid = true;
+    std::vector<float> full;  // a row the largest logits do not settle
+    for (int64_t k = 0; k < k_in; ++k) {
+      const int64_t r = first + k;
+      const float base = prefix_score[r], lse = output.lse[r];
+      const RowTop &best = output.rows[r].top;
+      if (!std::isfinite(lse)) {  // a NaN or +inf logit, or all -inf: not log-probabilities
+        valid = false;
+        continue;
+      }
+      if (last || !settles(best, base, lse, top.capacity())) {
+        full.resize(vocab);
+        output.log_probs(r, full.data());
+        valid &= offer_full_row(full.data(), vocab, base, k * vocab, last, eos_id, top);
+        continue;
+      }
+      // Every logit <= lse, so each is a log-probability; offered in column order.
+      int order[RowTop::kMost];
+      std::iota(order, order + best.count, 0);
+      std::sort(order, order + best.count,
+                [&](int a, int b) { return best.column[a] < best.column[b]; });
+      for (int j = 0; j < best.count; ++j)
+        top.offer(base + (best.value[order[j]] - lse), k * vocab + best.column[order[j]]);
+    }
+    return valid;
+  };
+  return search_step(vocab, offer_rows, tokens, scores, sentences, max_len, penalty,
+                     finished_tokens, finished_scores, finished_lengths, finished_count, eos_id,
+                     nbest);
 }
 
 }  // namespace fastattn

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace fastattn {
@@ -50,23 +51,23 @@ struct Bf16Product {
   float *out;
 };
 
-// out[n, 16p : 16p + 16] = acc + bias, the last panel's first columns only; with lse, the
-// values join row n's running log-sum-exp.
+// out[n, 16p : 16p + 16] = acc + bias, the last panel's first columns only (no out: nowhere);
+// with lse, the values join row n's RowLse.
 FASTATTN_INLINE void finish(const Bf16Product &a, int64_t n, int64_t p, const float *acc,
                             RowLse *lse) {
   const int64_t o = p * kPanel, columns = std::min(kPanel, a.O - o);
-  float *out = a.out + n * a.O + o;
+  float *out = a.out ? a.out + n * a.O + o : nullptr;
   if (columns == kPanel) {
     v16 y = load16(acc);
     if (a.bias) y += load16(a.bias + o);
-    std::memcpy(out, &y, sizeof y);
-    if (lse) lse->add16(y);
+    if (out) std::memcpy(out, &y, sizeof y);
+    if (lse) lse->add16(y, o);
     return;
   }
   float y[kPanel];
   for (int64_t c = 0; c < columns; ++c) y[c] = acc[c] + (a.bias ? a.bias[o + c] : 0.f);
-  std::memcpy(out, y, columns * sizeof(float));
-  if (lse) lse->add(y, columns);
+  if (out) std::memcpy(out, y, columns * sizeof(float));
+  if (lse) lse->add(y, columns, o);
 }
 
 // The fallback of CPUs without AVX2: vdpbf16ps's sums in its order (the odd input of a
@@ -94,14 +95,14 @@ __attribute__((optimize("no-tree-loop-vectorize"))) void panels_scalar(const Bf1
 }
 
 #ifdef FASTATTN_X86
-// The eight columns [o, o + 8) of row n from their sums in one AVX2 register (lanes [first,
-// first + 8) of the row's log-sum-exp): through an array on the stack, the halves' stores and
-// the whole-vector load stall store forwarding (csrc/packed_linear.cpp).
+// The eight columns [o, o + 8) of row n from their sums in one AVX2 register: through an array
+// on the stack, the halves' stores and the whole-vector load stall store forwarding
+// (csrc/packed_linear.cpp).
 FASTATTN_AVX2_INLINE void finish_half(const Bf16Product &a, int64_t n, int64_t o, v8 y,
-                                      RowLse *lse, int64_t first) {
+                                      RowLse *lse) {
   if (a.bias) y += load8(a.bias + o);
-  store_as<v8>(a.out + n * a.O + o, y);
-  if (lse) lse->add8(y, first);
+  if (a.out) store_as<v8>(a.out + n * a.O + o, y);
+  if (lse) lse->add8(y, o);
 }
 
 // Rows [n, n + R) against panel p on AVX2, which has no vdpbf16ps: the same sums in the same
@@ -138,8 +139,8 @@ FASTATTN_AVX2_INLINE void block_avx2(const Bf16Product &a, int64_t n, int64_t p,
   for (int r = 0; r < R; ++r) {
     RowLse *row_lse = lse ? lse + n + r : nullptr;
     if (whole) {
-      finish_half(a, n + r, p * kPanel, reinterpret_cast<v8>(acc[r][0]), row_lse, 0);
-      finish_half(a, n + r, p * kPanel + 8, reinterpret_cast<v8>(acc[r][1]), row_lse, 8);
+      finish_half(a, n + r, p * kPanel, reinterpret_cast<v8>(acc[r][0]), row_lse);
+      finish_half(a, n + r, p * kPanel + 8, reinterpret_cast<v8>(acc[r][1]), row_lse);
       continue;
     }
     float sums[kPanel];
@@ -342,6 +343,21 @@ at::Tensor log_softmax_linear_bf16_cpu(const at::Tensor &x, const at::Tensor &pa
   auto out = at::empty({x.size(0), out_features}, x.options());
   log_softmax_linear_bf16_out_cpu(x, panels, out);
   return out;
+}
+
+OutputRows output_rows_bf16_cpu(const at::Tensor &x, const at::Tensor &panels, int64_t O,
+                                int top) {
+  check_packed(x, panels, O, "output_rows_bf16");
+  auto rows = std::make_shared<std::vector<uint16_t>>();  // kept for recomputing one
+  const auto product = round_input(x, panels, O, *rows);
+  return output_rows(
+      product.N, O, panels.size(0), panel_grain(product.N, product.D2), top,
+      [&](int64_t p0, int64_t p1, RowLse *lse) { run_panels(product, p0, p1, lse); },
+      [product, rows, panels](int64_t r, float *out) {
+        Bf16Product row = product;
+        row.x += r * row.xs, row.N = 1, row.out = out;
+        run_panels(row, 0, panels.size(0), nullptr);
+      });
 }
 
 std::string bf16_kernel_cpu() {

@@ -5,6 +5,8 @@
 //   y[n, o] = Σ_d bf16(x[n, d]) · bf16(w[o, d]) + bias[o].
 #pragma once
 
+#include "row_lse.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -31,8 +33,13 @@ void log_softmax_linear_bf16_out_cpu(const at::Tensor &x, const at::Tensor &pane
 at::Tensor log_softmax_linear_bf16_cpu(const at::Tensor &x, const at::Tensor &panels,
                                        int64_t out_features);
 
-// The bf16 dot product run at the instruction-set level in use (cpu_isa.h): "avx512-bf16" or
-// "scalar".
+// What a beam search reads of the same distribution over O outputs (row_lse.h's OutputRows):
+// each row's log-sum-exp and `top` largest logits, which are written nowhere.
+OutputRows output_rows_bf16_cpu(const at::Tensor &x, const at::Tensor &panels, int64_t O,
+                                int top);
+
+// The bf16 dot product run at the instruction-set level in use (cpu_isa.h): "avx512-bf16",
+// "avx2" or "scalar".
 std::string bf16_kernel_cpu();
 
 }  // namespace fastattn

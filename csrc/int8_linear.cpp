@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace fastattn {
@@ -79,12 +80,12 @@ struct Int8Product {
 };
 
 // out[n, 16p : 16p + 16] = (acc - offset · sums) · (sx[n] · sw) + bias, the last panel's first
-// columns only; with lse, the values join row n's running log-sum-exp. offset is 128 where acc
+// columns only (no out: nowhere); with lse, the values join row n's RowLse. offset is 128 where acc
 // summed the stored bytes qx + 128, 0 where it summed qx.
 FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const int32_t *acc,
                             RowLse *lse, int32_t offset = 128) {
   const int64_t o = p * kPanel, columns = std::min(kPanel, a.O - o);
-  float *out = a.out + n * a.O + o;
+  float *out = a.out ? a.out + n * a.O + o : nullptr;
   const float xscale = a.xscale[n];
   if (columns == kPanel) {
     v16i sum, sums;
@@ -92,8 +93,8 @@ FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const in
     std::memcpy(&sums, a.sums + o, sizeof sums);
     v16 y = __builtin_convertvector(sum - offset * sums, v16) * (xscale * load16(a.scales + o));
     if (a.bias) y += load16(a.bias + o);
-    std::memcpy(out, &y, sizeof y);
-    if (lse) lse->add16(y);
+    if (out) std::memcpy(out, &y, sizeof y);
+    if (lse) lse->add16(y, o);
     return;
   }
   float y[kPanel];
@@ -101,8 +102,8 @@ FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const in
     y[c] = static_cast<float>(acc[c] - offset * a.sums[o + c]) * (xscale * a.scales[o + c]);
     if (a.bias) y[c] += a.bias[o + c];
   }
-  std::memcpy(out, y, columns * sizeof(float));
-  if (lse) lse->add(y, columns);
+  if (out) std::memcpy(out, y, columns * sizeof(float));
+  if (lse) lse->add(y, columns, o);
 }
 
 // Panels [p0, p1) for all rows, one row and one panel at a time: the fallback of CPUs without
@@ -126,18 +127,18 @@ FASTATTN_PER_ISA(panels_scalar, panels_scalar_body)
 #ifdef FASTATTN_X86
 
 // finish for the eight columns [o, o + 8) of row n, all in the output, from their sums in one
-// AVX2 register (lanes [first, first + 8) of the row's log-sum-exp), offset 64: the sums stay in
+// AVX2 register, offset 64: the sums stay in
 // registers, where finish's 16-int array went through the stack (as much time as the products
 // at the multi30k model's width of 128).
 FASTATTN_AVX2_INLINE void finish_half(const Int8Product &a, int64_t n, int64_t o, v8i acc,
-                                      RowLse *lse, int64_t first) {
+                                      RowLse *lse) {
   v8i sums;
   std::memcpy(&sums, a.sums + o, sizeof sums);
   v8 y = __builtin_convertvector(acc - (kAvx2Levels + 1) * sums, v8) *
          (a.xscale[n] * load8(a.scales + o));
   if (a.bias) y += load8(a.bias + o);
-  store8(a.out + n * a.O + o, y);
-  if (lse) lse->add8(y, first);
+  if (a.out) store8(a.out + n * a.O + o, y);
+  if (lse) lse->add8(y, o);
 }
 
 // Rows [n, n + R) against panel p on AVX2, which has no u8 × s8 dot product into int32:
@@ -167,8 +168,8 @@ FASTATTN_AVX2_INLINE void block_avx2(const Int8Product &a, int64_t n, int64_t p,
   for (int r = 0; r < R; ++r) {
     RowLse *row_lse = lse ? lse + n + r : nullptr;
     if (whole) {
-      finish_half(a, n + r, p * kPanel, reinterpret_cast<v8i>(acc[r][0]), row_lse, 0);
-      finish_half(a, n + r, p * kPanel + 8, reinterpret_cast<v8i>(acc[r][1]), row_lse, 8);
+      finish_half(a, n + r, p * kPanel, reinterpret_cast<v8i>(acc[r][0]), row_lse);
+      finish_half(a, n + r, p * kPanel + 8, reinterpret_cast<v8i>(acc[r][1]), row_lse);
       continue;
     }
     int32_t sums[kPanel];
@@ -434,6 +435,23 @@ void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &pane
                      product.out, [&](int64_t p0, int64_t p1, RowLse *lse) {
                        run_panels(product, p0, p1, lse);
                      });
+}
+
+OutputRows output_rows_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
+                                const at::Tensor &scales, const at::Tensor &sums, int top) {
+  check_quantized(x, panels, scales, sums, "output_rows_int8");
+  // The quantized rows kept for recomputing one: the thread's buffers serve the next product.
+  auto bytes = std::make_shared<std::vector<uint8_t>>();
+  auto xscale = std::make_shared<std::vector<float>>();
+  const auto product = quantize_input(x, panels, scales, sums, *bytes, *xscale);
+  return output_rows(
+      product.N, product.O, panels.size(0), panel_grain(product.N, product.D4), top,
+      [&](int64_t p0, int64_t p1, RowLse *rows) { run_panels(product, p0, p1, rows); },
+      [product, bytes, xscale, panels, scales, sums](int64_t r, float *out) {
+        Int8Product row = product;
+        row.x += r * row.xs, row.xscale += r, row.N = 1, row.out = out;
+        run_panels(row, 0, panels.size(0), nullptr);
+      });
 }
 
 std::string int8_kernel_cpu() {

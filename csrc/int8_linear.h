@@ -8,6 +8,8 @@
 // loop compute the same integers.
 #pragma once
 
+#include "row_lse.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -45,6 +47,11 @@ at::Tensor log_softmax_linear_int8_cpu(const at::Tensor &x, const at::Tensor &pa
 void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &panels,
                                      const at::Tensor &scales, const at::Tensor &sums,
                                      at::Tensor &out);
+
+// What a beam search reads of the same distribution (row_lse.h's OutputRows): each row's
+// log-sum-exp and `top` largest logits, which are written nowhere.
+OutputRows output_rows_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
+                                const at::Tensor &scales, const at::Tensor &sums, int top);
 
 // The int8 dot product run at the instruction-set level in use (cpu_isa.h): "avx512-vnni",
 // "avx2" or "scalar".

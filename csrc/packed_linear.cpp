@@ -20,14 +20,19 @@ namespace fastattn {
 
 namespace {
 
-// out[r, :width] = x[r] · panels + bias for R rows of x (rows D apart) and P adjacent panels
-// (D, 16) each, width <= 16·P; with lse, each row's values are added to its running
-// log-sum-exp lse[r]. R·P panels' accumulators in vectors V of the level's register width (v16
-// on AVX-512, v8 on AVX2, v4 on SSE), so that they stay in registers: enough independent
-// multiply-adds to hide their latency. Each output sums over d in order whatever V is.
+// out[r, :width] = x[r] · panels + bias for rows [n, n + R) of x (N, D) and P adjacent panels
+// (D, 16) each, the first at output column `column`, width <= 16·P, out (N, O); with rows, each
+// row's values are added to its RowLse, and without out written nowhere else. R·P panels'
+// accumulators in vectors V of the level's register width (v16 on AVX-512, v8 on AVX2, v4 on
+// SSE), so that they stay in registers: enough independent multiply-adds to hide their latency.
+// Each output sums over d in order whatever V and R are.
 template <typename V, int R, int P>
-FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, const float *bias,
-                                float *out, int64_t out_stride, int64_t width, RowLse *lse) {
+FASTATTN_INLINE void panel_rows(const float *x, int64_t n, int64_t D, const float *panel,
+                                const float *bias, float *out, int64_t O, int64_t column,
+                                int64_t width, RowLse *rows) {
+  x += n * D;
+  if (out) out += n * O;
+  if (rows) rows += n;
   constexpr int kWidth = sizeof(V) / sizeof(float), kSplit = kPanel / kWidth, kVectors = P * kSplit;
   V acc[R][kVectors];
   for (int r = 0; r < R; ++r)
@@ -43,9 +48,9 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
   }
   for (int r = 0; r < R; ++r) {
     for (int p = 0; p < P; ++p) {
-      const int64_t columns = std::min(kPanel, width - p * kPanel);
+      const int64_t columns = std::min(kPanel, width - p * kPanel), c = column + p * kPanel;
       const float *b = bias ? bias + p * kPanel : nullptr;
-      float *o = out + r * out_stride + p * kPanel;
+      float *o = out ? out + r * O + c : nullptr;
       if constexpr (kWidth == 8) {
         // Each half from its register: through a 16-float array on the stack, two 16-byte stores
         // read back as one 32-byte load stalled store forwarding (a fifth of the AVX2 kernel's
@@ -54,8 +59,8 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
           for (int h = 0; h < 2; ++h) {
             v8 y = acc[r][p * 2 + h];
             if (b) y += load8(b + 8 * h);
-            store_as<v8>(o + 8 * h, y);
-            if (lse) lse[r].add8(y, 8 * h);
+            if (o) store_as<v8>(o + 8 * h, y);
+            if (rows) rows[r].add8(y, c + 8 * h);
           }
           continue;
         }
@@ -65,12 +70,12 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
       if (columns == kPanel) {
         v16 y = load16(sums);
         if (b) y += load16(b);
-        std::memcpy(o, &y, sizeof(v16));
-        if (lse) lse[r].add16(y);
+        if (o) std::memcpy(o, &y, sizeof(v16));
+        if (rows) rows[r].add16(y, c);
       } else {  // the last panel
-        for (int64_t c = 0; b && c < columns; ++c) sums[c] += b[c];
-        std::memcpy(o, sums, columns * sizeof(float));
-        if (lse) lse[r].add(sums, columns);
+        for (int64_t i = 0; b && i < columns; ++i) sums[i] += b[i];
+        if (o) std::memcpy(o, sums, columns * sizeof(float));
+        if (rows) rows[r].add(sums, columns, c);
       }
     }
   }
@@ -81,27 +86,24 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t D, const float *panel, c
 template <typename V, int R, int P>
 FASTATTN_INLINE void panel_group(const float *x, int64_t N, int64_t D, const float *packed,
                                  const float *bias, int64_t O, int64_t p, float *out,
-                                 RowLse *lse) {
+                                 RowLse *rows) {
   const float *panel = packed + p * D * kPanel;
   const float *b = bias ? bias + p * kPanel : nullptr;
-  const int64_t width = std::min(P * kPanel, O - p * kPanel);
-  float *o = out + p * kPanel;
-  const auto rows = [&](int64_t n) { return lse ? lse + n : nullptr; };
+  const int64_t width = std::min(P * kPanel, O - p * kPanel), column = p * kPanel;
   int64_t n = 0;
-  for (; n + R <= N; n += R) panel_rows<V, R, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
+  for (; n + R <= N; n += R) panel_rows<V, R, P>(x, n, D, panel, b, out, O, column, width, rows);
   if constexpr (R > 6)
-    for (; n + 6 <= N; n += 6)
-      panel_rows<V, 6, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n));
+    for (; n + 6 <= N; n += 6) panel_rows<V, 6, P>(x, n, D, panel, b, out, O, column, width, rows);
   switch (N - n) {
-    case 5: panel_rows<V, 5, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    case 4: panel_rows<V, 4, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    case 3: panel_rows<V, 3, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    case 2: panel_rows<V, 2, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
-    case 1: panel_rows<V, 1, P>(x + n * D, D, panel, b, o + n * O, O, width, rows(n)); break;
+    case 5: panel_rows<V, 5, P>(x, n, D, panel, b, out, O, column, width, rows); break;
+    case 4: panel_rows<V, 4, P>(x, n, D, panel, b, out, O, column, width, rows); break;
+    case 3: panel_rows<V, 3, P>(x, n, D, panel, b, out, O, column, width, rows); break;
+    case 2: panel_rows<V, 2, P>(x, n, D, panel, b, out, O, column, width, rows); break;
+    case 1: panel_rows<V, 1, P>(x, n, D, panel, b, out, O, column, width, rows); break;
   }
 }
 
-// Panels [p0, p1), P at a time, R rows at a time. lse: none, or N running log-sum-exps.
+// Panels [p0, p1), P at a time, R rows at a time. rows: none, or N rows' RowLse.
 template <typename V, int R, int P>
 FASTATTN_INLINE void panel_range(const float *x, int64_t N, int64_t D, const float *packed,
                                  const float *bias, int64_t O, int64_t p0, int64_t p1, float *out,
@@ -237,6 +239,27 @@ void log_softmax_linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
                      [&](int64_t p0, int64_t p1, RowLse *lse) {
                        panels(xp, N, D, pp, nullptr, O, p0, p1, op, lse);
                      });
+}
+
+OutputRows output_rows_cpu(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
+                           int top) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "output_rows: x must be a float32 (N, D) tensor, got ", x.sizes(), " ",
+              x.scalar_type());
+  check_packed(x, weight, packed, std::nullopt, "output_rows");
+  const int64_t N = x.size(0), D = x.size(1), O = weight.size(0);
+  const auto xc = x.contiguous();
+  const float *xp = xc.data_ptr<float>(), *pp = packed.data_ptr<float>();
+  const int64_t count = packed.size(0);
+  return output_rows(
+      N, O, count, panel_grain(N, D), top,
+      [&](int64_t p0, int64_t p1, RowLse *rows) {
+        panels(xp, N, D, pp, nullptr, O, p0, p1, nullptr, rows);
+      },
+      [xc, packed, D, O, count](int64_t r, float *out) {
+        panels(xc.data_ptr<float>() + r * D, 1, D, packed.data_ptr<float>(), nullptr, O, 0,
+               count, out, nullptr);
+      });
 }
 
 }  // namespace fastattn

@@ -4,6 +4,8 @@
 // through 8-float vector multiply-adds.
 #pragma once
 
+#include "row_lse.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <optional>
@@ -37,5 +39,11 @@ at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
 // where a fresh N x vocabulary tensor each step costs page faults on every one of its pages.
 void log_softmax_linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
                                 const std::optional<at::Tensor> &packed, at::Tensor &out);
+
+// What a beam search reads of log_softmax(x (N, D) @ weight.T), x float32, through `packed`:
+// each row's log-sum-exp and its `top` largest logits (top <= RowTop::kMost), the logits written
+// nowhere; a row's log-probabilities recomputed on request.
+OutputRows output_rows_cpu(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
+                           int top);
 
 }  // namespace fastattn

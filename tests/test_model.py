@@ -234,6 +234,40 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
     assert max(max(h.tokens) for hyps in native for h in hyps) < cfg.output_size
 
 
+@pytest.mark.parametrize("precision", ["fp32", "int8", "bf16"])
+@pytest.mark.parametrize("tied", ["none", "half", "all", "close"])
+def test_native_search_over_largest_logits_equals_search_over_whole_rows(at_every_cpu_isa,
+                                                                         precision, tied,
+                                                                         monkeypatch):
+    """Through panels the native search reads each row's log-sum-exp and 2·beam + 8 largest
+    logits, never the rows themselves, and recomputes a row only where those cannot settle its
+    candidates. Tied output rows make tokens of equal logits ("all": a tie at the edge of every
+    top, "half": of some), "close" ones logits a few ulp apart, rising with the token, that
+    round to equal scores: the lower token wins such a tie, though its logit may not be among
+    the largest (without the check for it, fp32 and int8 fail here). Tokens and scores equal the
+    search over whole rows (Decoder.step's log-probabilities) bit for bit, at every
+    instruction-set level."""
+    if not fastattn.inference.native.NATIVE_BEAM_SEARCH:
+        pytest.skip("fastattn._C is not built: no native beam search")
+    model = make_model(replace(TINY, vocab_size=97))
+    first = {"none": 97, "half": 50, "all": 3, "close": 3}[tied]
+    with torch.no_grad():  # the embedding is the output projection too
+        model.embedding.weight[first:] = model.embedding.weight[first - 1]
+        if tied == "close":  # logits a few ulp apart, rising with the token
+            model.embedding.weight[first:] *= 1 + 1.5e-7 * torch.arange(97 - first)[:, None]
+    src = pad_after(tokens(5, 9), [9, 1, 4, 7, 2])
+    options = dict(beam_size=4, nbest=2, bos_id=1, eos_id=2, max_len=torch.tensor([3, 12, 1, 8, 6]),
+                   alpha=0.8)
+
+    def search():
+        return [[(h.tokens, h.score) for h in hyps]
+                for hyps in Decoder(model, precision=precision).beam_search(src, **options)]
+
+    native = search()
+    monkeypatch.setattr(fastattn.inference.native, "NATIVE_BEAM_SEARCH", False)
+    assert native == search()
+
+
 def test_native_beam_search_does_not_depend_on_earlier_searches():
     """The native search keeps its buffers from call to call (per thread): a search after
     larger ones, longer ones and float64 ones returns what it returned the first time."""
