@@ -21,38 +21,34 @@ namespace fastattn {
 
 constexpr int64_t kPanel = 16;  // output features per panel: one 16-float vector
 
-// A row's `capacity` largest values and their columns, largest first, ties by lower column.
-// Values arrive in increasing column order (within a thread), so a newcomer goes after every
-// kept value it ties. NaN and -inf never enter: the row's log-sum-exp tells of those.
+// A row's `capacity` largest values and their columns, largest first, ties by lower column
+// (whatever order the threads' panels come in). NaN and -inf never enter: the row's log-sum-exp
+// tells of those.
 struct RowTop {
   static constexpr int kMost = 32;
   int capacity = 0, count = 0;
   float value[kMost];
   int32_t column[kMost];
 
+  // The least value a newcomer may have to enter: any while there is room.
   float worst() const { return count < capacity ? -INFINITY : value[capacity - 1]; }
 
   void offer(float v, int32_t c) {
-    if (!(v > worst())) return;
+    if (!(v > -INFINITY) || (count == capacity && !before(v, c, capacity - 1))) return;
     int i = count < capacity ? count++ : capacity - 1;
-    for (; i > 0 && value[i - 1] < v; --i) value[i] = value[i - 1], column[i] = column[i - 1];
+    for (; i > 0 && before(v, c, i - 1); --i) value[i] = value[i - 1], column[i] = column[i - 1];
     value[i] = v, column[i] = c;
   }
 
-  // Another thread's values of the same row (other columns).
+  // Another thread's values of the same row.
   void merge(const RowTop &other) {
-    RowTop both = *this;
-    both.count = 0;
-    int i = 0, j = 0;
-    while (both.count < capacity && (i < count || j < other.count)) {
-      const bool mine = j == other.count ||
-                        (i < count && (value[i] > other.value[j] ||
-                                       (value[i] == other.value[j] && column[i] < other.column[j])));
-      const int k = both.count++;
-      both.value[k] = mine ? value[i] : other.value[j];
-      both.column[k] = mine ? column[i++] : other.column[j++];
-    }
-    *this = both;
+    for (int j = 0; j < other.count; ++j) offer(other.value[j], other.column[j]);
+  }
+
+ private:
+  // Whether (v, c) ranks before kept entry i.
+  bool before(float v, int32_t c, int i) const {
+    return v > value[i] || (v == value[i] && c < column[i]);
   }
 };
 
@@ -84,7 +80,7 @@ struct RowLse {
   // Columns [column, column + 8), column a multiple of 8: AVX2's products add each half of a
   // panel as it leaves its register, where a 16-float vector went through the stack.
   FASTATTN_INLINE void add8(v8 x, int64_t column) {
-    if (top.capacity > 0 && any(x > (v8{} + top.worst())))
+    if (top.capacity > 0 && any(x >= (v8{} + top.worst())))
       for (int l = 0; l < 8; ++l) top.offer(x[l], static_cast<int32_t>(column + l));
     const int64_t first = column % kPanel;
     const v8 m = load8(max + first);

@@ -236,8 +236,9 @@ def test_native_beam_search_equals_search_over_decode_step(dtype, beam, nbest, p
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "bf16"])
 @pytest.mark.parametrize("tied", ["none", "half", "all", "close"])
+@pytest.mark.parametrize("vocab", [97, 1000])
 def test_native_search_over_largest_logits_equals_search_over_whole_rows(at_every_cpu_isa,
-                                                                         precision, tied,
+                                                                         precision, tied, vocab,
                                                                          monkeypatch):
     """Through panels the native search reads each row's log-sum-exp and 2·beam + 8 largest
     logits, never the rows themselves, and recomputes a row only where those cannot settle its
@@ -246,15 +247,16 @@ def test_native_search_over_largest_logits_equals_search_over_whole_rows(at_ever
     round to equal scores: the lower token wins such a tie, though its logit may not be among
     the largest (without the check for it, fp32 and int8 fail here). Tokens and scores equal the
     search over whole rows (Decoder.step's log-probabilities) bit for bit, at every
-    instruction-set level."""
+    instruction-set level; with two threads, each computing the largest logits of half the
+    output panels at a vocabulary of 1000."""
     if not fastattn.inference.native.NATIVE_BEAM_SEARCH:
         pytest.skip("fastattn._C is not built: no native beam search")
-    model = make_model(replace(TINY, vocab_size=97))
-    first = {"none": 97, "half": 50, "all": 3, "close": 3}[tied]
+    model = make_model(replace(TINY, vocab_size=vocab))
+    first = {"none": vocab, "half": vocab // 2, "all": 3, "close": 3}[tied]
     with torch.no_grad():  # the embedding is the output projection too
         model.embedding.weight[first:] = model.embedding.weight[first - 1]
         if tied == "close":  # logits a few ulp apart, rising with the token
-            model.embedding.weight[first:] *= 1 + 1.5e-7 * torch.arange(97 - first)[:, None]
+            model.embedding.weight[first:] *= 1 + 1.5e-7 * torch.arange(vocab - first)[:, None]
     src = pad_after(tokens(5, 9), [9, 1, 4, 7, 2])
     options = dict(beam_size=4, nbest=2, bos_id=1, eos_id=2, max_len=torch.tensor([3, 12, 1, 8, 6]),
                    alpha=0.8)
@@ -263,9 +265,14 @@ def test_native_search_over_largest_logits_equals_search_over_whole_rows(at_ever
         return [[(h.tokens, h.score) for h in hyps]
                 for hyps in Decoder(model, precision=precision).beam_search(src, **options)]
 
-    native = search()
-    monkeypatch.setattr(fastattn.inference.native, "NATIVE_BEAM_SEARCH", False)
-    assert native == search()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        native = search()
+        monkeypatch.setattr(fastattn.inference.native, "NATIVE_BEAM_SEARCH", False)
+        assert native == search()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_native_beam_search_does_not_depend_on_earlier_searches():
