@@ -544,12 +544,12 @@ KEEP_SIGMAS = 5.0
 
 
 def dropout_dtypes(check: Check) -> tuple[str, ...]:
-    """Dropout's dtypes: --quick, the training's bf16; the dry run, fp16 (its interpreter draws
-    the same philox stream for every dtype, and reads bf16 as float32: three dtypes were a
+    """Dropout's dtypes: --quick, the training's bf16; else the dry run, fp16 (its interpreter
+    draws the same philox stream for every dtype, and reads bf16 as float32: three dtypes were a
     third of its correctness stage)."""
-    if check.dry_run:
-        return ("fp16",)
-    return ("bf16",) if check.quick else ("fp16", "bf16", "fp32")
+    if check.quick:
+        return ("bf16",)
+    return ("fp16",) if check.dry_run else ("fp16", "bf16", "fp32")
 
 
 def keep_row(keep: torch.Tensor, again: torch.Tensor, p: float) -> dict[str, Any]:
