@@ -297,7 +297,8 @@ StepResult beam_search_step_rows_cpu(const OutputRows &output, FASTATTN_STEP_STA
       }
       if (last || !settles(best, base, lse, top.capacity())) {
         full.resize(vocab);
-        output.log_probs(r, full.data());
+        output.logits(r, full.data());
+        subtract_rows(full.data(), vocab, &lse, 0, 1);
         valid &= offer_full_row(full.data(), vocab, base, k * vocab, last, eos_id, top);
         continue;
       }

@@ -42,7 +42,7 @@ void log_softmax_linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
 
 // What a beam search reads of log_softmax(x (N, D) @ weight.T), x float32, through `packed`:
 // each row's log-sum-exp and its `top` largest logits (top <= RowTop::kMost), the logits written
-// nowhere; a row's log-probabilities recomputed on request.
+// nowhere; a row's logits recomputed on request.
 OutputRows output_rows_cpu(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &packed,
                            int top);
 

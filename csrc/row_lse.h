@@ -150,27 +150,22 @@ void log_softmax_panels(int64_t N, int64_t O, int64_t panel_count, int64_t grain
 
 // A step's output distribution as a beam search reads it, without its N x V log-probabilities:
 // each row's log-sum-exp and largest logits (rows[r].top), and for the rare row these do not
-// settle, its log-probabilities in full: log_probs(r, out) recomputes the row's logits, which do
-// not depend on the other rows, and subtracts lse[r], as log_softmax_panels would have.
+// settle, logits(r, out) writing the row's logits again (a row's do not depend on the others);
+// less lse[r], as subtract_rows takes it, they are the row's log-probabilities.
 struct OutputRows {
   std::vector<RowLse> rows;
   std::vector<float> lse;
   int64_t vocab;
-  std::function<void(int64_t row, float *out)> log_probs;
+  std::function<void(int64_t row, float *out)> logits;
 };
 
-// OutputRows from row_stats over panels that write nothing, and row_logits(r, out) writing one
-// row's logits.
-template <typename Panels, typename RowLogits>
+// OutputRows from row_stats over panels that write nothing, and logits(r, out).
+template <typename Panels>
 OutputRows output_rows(int64_t N, int64_t O, int64_t panel_count, int64_t grain, int top,
-                       const Panels &panels, RowLogits row_logits) {
-  OutputRows output{row_stats(N, panel_count, grain, top, panels), std::vector<float>(N), O, {}};
+                       const Panels &panels, std::function<void(int64_t, float *)> logits) {
+  OutputRows output{row_stats(N, panel_count, grain, top, panels), std::vector<float>(N), O,
+                    std::move(logits)};
   for (int64_t r = 0; r < N; ++r) output.lse[r] = output.rows[r].value();
-  output.log_probs = [row_logits = std::move(row_logits), lse = output.lse, O](int64_t r,
-                                                                               float *out) {
-    row_logits(r, out);
-    subtract_rows(out, O, &lse[r], 0, 1);
-  };
   return output;
 }
 
