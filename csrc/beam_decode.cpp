@@ -7,12 +7,14 @@
 #include "packed_linear.h"
 
 #include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 
+#include <cstring>
 #include <vector>
 
 namespace fastattn {
@@ -43,6 +45,35 @@ at::Tensor reuse(at::Tensor &buffer, at::IntArrayRef sizes, const at::TensorOpti
       buffer.device() != options.device())
     buffer = at::empty({numel}, options);
   return buffer.narrow(0, 0, numel).view(sizes);
+}
+
+// x (N, d) = table[tokens[:, length]] · scale + positions[length] in place, the newest tokens'
+// embeddings as the Embedding module computes them, op by op (a product rounded, then a sum
+// rounded: the search and fastattn.inference.Decoder.step agree bit for bit), in plain loops:
+// ATen's embedding, mul and add were a tenth of a few-row step. table (V, d) and positions are
+// contiguous; no table: x holds the rows already (int8, bf16: dequantized).
+template <typename scalar_t>
+void embed_newest(at::Tensor &x, const at::Tensor *table, const at::Tensor &tokens, int64_t length,
+                  double scale, const at::Tensor &positions) {
+  const int64_t N = x.size(0), d = x.size(1);
+  scalar_t *out = x.data_ptr<scalar_t>();
+  if (table) {
+    const scalar_t *rows = table->data_ptr<scalar_t>();
+    const int64_t *token = tokens.data_ptr<int64_t>() + length;
+    const int64_t V = table->size(0);
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t t = token[n * tokens.stride(0)];
+      TORCH_CHECK(0 <= t && t < V, "transformer_beam_search: token ", t, " is outside 0..",
+                  V - 1);
+      std::memcpy(out + n * d, rows + t * d, d * sizeof(scalar_t));
+    }
+  }
+  // Two passes, as two ops: one loop would let a compiler fuse them into one rounding (FMA).
+  const auto s = static_cast<scalar_t>(scale);
+  for (int64_t i = 0; i < N * d; ++i) out[i] *= s;
+  const scalar_t *position = positions.data_ptr<scalar_t>() + length * d;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t c = 0; c < d; ++c) out[n * d + c] += position[c];
 }
 
 }  // namespace
@@ -85,7 +116,11 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
   TORCH_CHECK(max_len.numel() == B && (B == 0 || max_len.max().item<int64_t>() <= capacity),
               "transformer_beam_search: positions has ", capacity,
               " rows, fewer than the longest max_len");
+  TORCH_CHECK(positions.scalar_type() == embedding.scalar_type(),
+              "transformer_beam_search: positions must be in the embedding's dtype ",
+              embedding.scalar_type(), ", got ", positions.scalar_type());
   if (B == 0) return;
+  const auto table = embedding.contiguous(), position_rows = positions.contiguous();
   const auto long_options = max_len.options();
   const auto cache_options = memory_k[0].options();
   thread_local Workspace workspace;
@@ -126,15 +161,20 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
     const int64_t N = tokens.size(0);
     int64_t *own_row = history.data_ptr<int64_t>() + length;
     for (int64_t n = 0; n < N; ++n) own_row[n * capacity] = n;
-    // As the Embedding module (float32) or fastattn.decoding (int8) computes it, op by op, so
-    // that both paths agree bit for bit.
-    const auto newest = tokens.select(1, length);
     const int64_t d = embedding.size(1);
-    auto x = int8   ? dequantize_rows_cpu(output_packed[kInt8Panels],
-                                          output_packed[kInt8Scales], newest.contiguous(), d)
-             : bf16 ? unpack_rows_bf16_cpu(output_packed[0], newest.contiguous(), d)
-                    : at::embedding(embedding, newest);
-    x = x.mul(embedding_scale).add(positions.select(0, length));
+    at::Tensor x;
+    if (int8 || bf16) {
+      const auto newest = tokens.select(1, length).contiguous();
+      x = int8 ? dequantize_rows_cpu(output_packed[kInt8Panels], output_packed[kInt8Scales],
+                                     newest, d)
+               : unpack_rows_bf16_cpu(output_packed[0], newest, d);
+    } else {
+      x = at::empty({N, d}, embedding.options());
+    }
+    AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "transformer_beam_search", [&] {
+      embed_newest<scalar_t>(x, int8 || bf16 ? nullptr : &table, tokens, length,
+                             embedding_scale, position_rows);
+    });
     x = decoder_step_cpu(x, params, self_k, self_v, history.narrow(0, 0, N), length, memory_k,
                          memory_v, memory_bias, row_sentences, packed, eps);
     StepResult step;
@@ -164,9 +204,13 @@ void transformer_beam_search_cpu(const at::Tensor &embedding, const at::Tensor &
     auto [next_tokens, next_scores, reorder, next_sentences] = step;
     const int64_t next_S = next_sentences.numel();
     if (next_S == 0) break;
-    next_history.narrow(0, 0, reorder.size(0))
-        .narrow(1, 0, length + 1)
-        .copy_(history.narrow(1, 0, length + 1).index_select(0, reorder));
+    // Row n continues row reorder[n]: its positions are held where that row's are.
+    const int64_t *from = reorder.data_ptr<int64_t>();
+    const int64_t *held = history.data_ptr<int64_t>();
+    int64_t *next_held = next_history.data_ptr<int64_t>();
+    for (int64_t n = 0; n < reorder.size(0); ++n)
+      std::memcpy(next_held + n * capacity, held + from[n] * capacity,
+                  (length + 1) * sizeof(int64_t));
     std::swap(history, next_history);
     // The step's rows come grouped by sentence, beam per live sentence.
     if (next_S < B) row_sentences = next_sentences.repeat_interleave(beam);

@@ -309,17 +309,29 @@ at::Tensor unpack_rows_bf16_cpu(const at::Tensor &panels, const at::Tensor &rows
 at::Tensor linear_bf16_cpu(const at::Tensor &x, const at::Tensor &panels,
                            const std::optional<at::Tensor> &bias, int64_t out_features) {
   check_packed(x, panels, out_features, "linear_bf16");
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  linear_bf16_out_cpu(x, panels, bias, out);
+  return out;
+}
+
+void linear_bf16_out_cpu(const at::Tensor &x, const at::Tensor &panels,
+                         const std::optional<at::Tensor> &bias, at::Tensor &out) {
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == at::kFloat,
+              "linear_bf16: out must be a contiguous float32 (", x.size(0), ", O) tensor, got ",
+              out.sizes(), " ", out.scalar_type());
+  const int64_t out_features = out.size(1);
+  check_packed(x, panels, out_features, "linear_bf16");
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == out_features &&
                         bias->scalar_type() == at::kFloat && bias->is_contiguous()),
               "linear_bf16: bias must be a contiguous float32 (", out_features, ") tensor");
-  std::vector<uint16_t> rows;
+  // Per thread, kept between calls: a decoding step makes several products of a few rows.
+  thread_local std::vector<uint16_t> rows;
   auto product = round_input(x, panels, out_features, rows);
-  auto out = at::empty({x.size(0), out_features}, x.options());
   product.bias = bias ? bias->data_ptr<float>() : nullptr;
   product.out = out.data_ptr<float>();
   at::parallel_for(0, panels.size(0), panel_grain(product.N, product.D2),
                    [&](int64_t p0, int64_t p1) { run_panels(product, p0, p1, nullptr); });
-  return out;
 }
 
 void log_softmax_linear_bf16_out_cpu(const at::Tensor &x, const at::Tensor &panels,

@@ -25,6 +25,9 @@ at::Tensor unpack_rows_bf16_cpu(const at::Tensor &panels, const at::Tensor &rows
 // x (N, D) float32 · wᵀ + bias -> (N, out_features) through the packed weight.
 at::Tensor linear_bf16_cpu(const at::Tensor &x, const at::Tensor &panels,
                            const std::optional<at::Tensor> &bias, int64_t out_features);
+// The same into out (N, out_features), float32 contiguous: a decoding step reuses its buffers.
+void linear_bf16_out_cpu(const at::Tensor &x, const at::Tensor &panels,
+                         const std::optional<at::Tensor> &bias, at::Tensor &out);
 
 // log_softmax(x · wᵀ) into out (N, O), float32 contiguous, O = out.size(1) (row_lse.h).
 void log_softmax_linear_bf16_out_cpu(const at::Tensor &x, const at::Tensor &panels,

@@ -215,39 +215,51 @@ FASTATTN_INLINE void prefetch_row(const scalar_t *row, int64_t n) {
   for (int64_t i = 0; i < n; i += kLine) __builtin_prefetch(row + i);
 }
 
+// An attention's operands as pointers and strides, so that a decoder step points it at its
+// buffers and caches without making views of them (a view is a tensor allocated and freed).
+// q and out (G, H, R, D), k and v (P, H, >= L, D), each given by its first element and the
+// strides of its first three dimensions, the last being unit; bias (P, >= L) and rows (G, L) as
+// decode_attention_cpu takes them, or null.
 template <typename scalar_t>
-void attend_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v,
-                   const at::Tensor *bias, scalar_t scale, const at::Tensor *rows, int64_t L,
-                   at::Tensor &out) {
-  const int64_t G = q.size(0), H = q.size(1), R = q.size(2), Dk = q.size(3), Dv = v.size(3);
-  const scalar_t *qp = q.data_ptr<scalar_t>(), *kp = k.data_ptr<scalar_t>();
-  const scalar_t *vp = v.data_ptr<scalar_t>();
-  const scalar_t *bp = bias ? bias->data_ptr<scalar_t>() : nullptr;
-  const int64_t *rp = rows ? rows->data_ptr<int64_t>() : nullptr;
-  scalar_t *op = out.data_ptr<scalar_t>();
-  const auto qs = q.strides(), ks = k.strides(), vs = v.strides(), os = out.strides();
-  const int64_t bs0 = bias ? bias->stride(0) : 0, bs1 = bias ? bias->stride(1) : 0;
-  const int64_t rs0 = rows ? rows->stride(0) : 0, rs1 = rows ? rows->stride(1) : 0;
+struct Attention {
+  struct Array {
+    const scalar_t *data;
+    int64_t s0, s1, s2;
+  };
+  Array q, k, v;
+  scalar_t *out;
+  int64_t os0, os1, os2;
+  const scalar_t *bias = nullptr;
+  int64_t bs0 = 0, bs1 = 0;
+  const int64_t *rows = nullptr;
+  int64_t rs0 = 0, rs1 = 0;
+  int64_t G, H, R, L, Dk, Dv;
+  scalar_t scale;
+};
+
+template <typename scalar_t>
+void attend_kernel(const Attention<scalar_t> &a) {
+  const int64_t H = a.H, R = a.R, L = a.L, Dk = a.Dk, Dv = a.Dv;
   // Threads only pay off with some work per task: about 64k multiply-adds.
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, R * L * (Dk + Dv)));
-  at::parallel_for(0, G * H, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.G * H, grain, [&](int64_t begin, int64_t end) {
     // Per thread, kept between calls (a step attends once per layer and kind).
     thread_local std::vector<scalar_t> p, biases;
     thread_local std::vector<const scalar_t *> keys, values;
-    p.resize(L), biases.resize(bp ? L : 0), keys.resize(L), values.resize(L);
+    p.resize(L), biases.resize(a.bias ? L : 0), keys.resize(L), values.resize(L);
     for (int64_t gh = begin; gh < end; ++gh) {
       const int64_t g = gh / H, h = gh % H;
       for (int64_t j = 0; j < L; ++j) {
-        const int64_t source = rp ? rp[g * rs0 + j * rs1] : g;
-        keys[j] = kp + source * ks[0] + h * ks[1] + j * ks[2];
-        values[j] = vp + source * vs[0] + h * vs[1] + j * vs[2];
+        const int64_t source = a.rows ? a.rows[g * a.rs0 + j * a.rs1] : g;
+        keys[j] = a.k.data + source * a.k.s0 + h * a.k.s1 + j * a.k.s2;
+        values[j] = a.v.data + source * a.v.s0 + h * a.v.s1 + j * a.v.s2;
         prefetch_row(keys[j], Dk), prefetch_row(values[j], Dv);
-        if (bp) biases[j] = bp[source * bs0 + j * bs1];
+        if (a.bias) biases[j] = a.bias[source * a.bs0 + j * a.bs1];
       }
       for (int64_t r = 0; r < R; ++r) {
-        attend_query(qp + g * qs[0] + h * qs[1] + r * qs[2], keys.data(), values.data(),
-                     bp ? biases.data() : nullptr, L, Dk, Dv, scale, p.data(),
-                     op + g * os[0] + h * os[1] + r * os[2]);
+        attend_query(a.q.data + g * a.q.s0 + h * a.q.s1 + r * a.q.s2, keys.data(),
+                     values.data(), a.bias ? biases.data() : nullptr, L, Dk, Dv, a.scale,
+                     p.data(), a.out + g * a.os0 + h * a.os1 + r * a.os2);
       }
     }
   });
@@ -256,9 +268,18 @@ void attend_kernel(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v
 // decode_attention without the checks, into out (G, H, R, Dv), any strides with a unit last one.
 void attend(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor *bias,
             double scale, const at::Tensor *rows, at::Tensor out) {
-  const int64_t L = rows ? rows->size(1) : k.size(2);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention", [&] {
-    attend_kernel<scalar_t>(q, k, v, bias, static_cast<scalar_t>(scale), rows, L, out);
+    const auto array = [](const at::Tensor &t) {
+      return typename Attention<scalar_t>::Array{t.data_ptr<scalar_t>(), t.stride(0),
+                                                 t.stride(1), t.stride(2)};
+    };
+    Attention<scalar_t> a{array(q), array(k), array(v), out.data_ptr<scalar_t>(),
+                          out.stride(0), out.stride(1), out.stride(2)};
+    if (bias) a.bias = bias->data_ptr<scalar_t>(), a.bs0 = bias->stride(0), a.bs1 = bias->stride(1);
+    if (rows) a.rows = rows->data_ptr<int64_t>(), a.rs0 = rows->stride(0), a.rs1 = rows->stride(1);
+    a.G = q.size(0), a.H = q.size(1), a.R = q.size(2), a.L = rows ? rows->size(1) : k.size(2);
+    a.Dk = q.size(3), a.Dv = v.size(3), a.scale = static_cast<scalar_t>(scale);
+    attend_kernel(a);
   });
 }
 
@@ -311,6 +332,31 @@ void relu_rows_(at::Tensor &x) {
     scalar_t *xp = x.data_ptr<scalar_t>();
     for (int64_t i = 0, n = x.numel(); i < n; ++i) xp[i] = xp[i] < 0 ? scalar_t(0) : xp[i];
   });
+}
+
+// A decoder step's intermediates (qkv, the heads' outputs, a sub-layer's output, the
+// feed-forward's hidden rows), one set per calling thread, kept while the rows and widths stay
+// (a search's steps): allocated afresh, with the views made of them, they were about 40 tensors
+// a step and a fifth of a few-row step's time. Sets over kKeptStepBytes are freed after a step.
+struct StepBuffers {
+  at::Tensor qkv, heads, out, cross_q, cross_heads, hidden;
+
+  int64_t bytes() const {
+    int64_t total = 0;
+    for (const auto *t : {&qkv, &heads, &out, &cross_q, &cross_heads, &hidden})
+      total += t->defined() ? static_cast<int64_t>(t->nbytes()) : 0;
+    return total;
+  }
+};
+
+constexpr int64_t kKeptStepBytes = int64_t{64} << 20;
+
+at::Tensor &buffer(at::Tensor &held, int64_t rows, int64_t width,
+                   const at::TensorOptions &options) {
+  if (!held.defined() || held.size(0) != rows || held.size(1) != width ||
+      held.dtype() != options.dtype())
+    held = at::empty({rows, width}, options);
+  return held;
 }
 
 }  // namespace
@@ -399,60 +445,89 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
                 memory_bias->sizes());
   }
   const double scale = 1.0 / std::sqrt(static_cast<double>(Dk));
-  const auto rows = history.narrow(1, 0, length + 1);
   // Cross-attention groups: rows that come in runs of one sentence (a beam per sentence) are
   // one group of queries over that sentence's keys and values, read once for all of them.
   int64_t group = std::max<int64_t>(1, N / B);
-  std::optional<at::Tensor> memory_rows;
-  if (sentences) {
-    group = same_runs(*sentences);
-    const auto group_sentences = sentences->view({N / group, group}).select(1, 0);
-    memory_rows = group_sentences.unsqueeze(1).expand({N / group, S});
-  }
-  const at::Tensor *bias = memory_bias ? &*memory_bias : nullptr;
+  at::Tensor row_sentences;
+  if (sentences) group = same_runs(*sentences), row_sentences = sentences->contiguous();
 
   at::Tensor y = x.contiguous().clone();
-  for (int64_t l = 0; l < layers; ++l) {
-    const at::Tensor *p = &params[kDecoderLayerSlots * l];
-    // The layer's i-th linear map: 0 qkv, 1 self-attention out, 2 cross q, 3 cross out, 4 W1,
-    // 5 W2 (weight p[kWeight[i]], bias the slot after it), the order of `packed`'s panels.
-    const auto linear = [&](const at::Tensor &in, int64_t i) {
-      constexpr int64_t kWeight[kLinearsPerLayer] = {
-          kSelfQkvWeight,  kSelfOutWeight,       kCrossQWeight,
-          kCrossOutWeight, kFeedForwardW1Weight, kFeedForwardW2Weight};
-      const at::Tensor *weights = packed.data() + (kLinearsPerLayer * l + i) * per_linear;
-      if (int8)
-        return linear_int8_cpu(in, weights[kInt8Panels], weights[kInt8Scales],
-                               weights[kInt8Sums], p[kWeight[i] + 1]);
-      if (bf16) return linear_bf16_cpu(in, *weights, p[kWeight[i] + 1], p[kWeight[i]].size(0));
-      std::optional<at::Tensor> panels;
-      if (!packed.empty()) panels = *weights;
-      return linear_cpu(in, p[kWeight[i]], panels, p[kWeight[i] + 1]);
+  const auto options = y.options();
+  thread_local StepBuffers buffers;
+  auto &qkv = buffer(buffers.qkv, N, params[kSelfQkvWeight].size(0), options);
+  auto &heads = buffer(buffers.heads, N, H * Dv, options);
+  auto &out = buffer(buffers.out, N, y.size(1), options);
+  auto &cross_q = buffer(buffers.cross_q, N, H * Dk, options);
+  auto &cross_heads = buffer(buffers.cross_heads, N, H * Dv, options);
+  auto &hidden = buffer(buffers.hidden, N, params[kFeedForwardW1Weight].size(0), options);
+  AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "decoder_step", [&] {
+    using Array = typename Attention<scalar_t>::Array;
+    const auto array = [](const at::Tensor &t) {
+      return Array{t.data_ptr<scalar_t>(), t.stride(0), t.stride(1), t.stride(2)};
     };
-    const auto qkv = linear(y, 0);
-    AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "decoder_step", [&] {
-      store_position<scalar_t>(qkv, H * Dk, self_k.data_ptr<scalar_t>() + l * self_k.stride(0),
-                               self_k.strides().slice(1), H, Dk, length);
-      store_position<scalar_t>(qkv, 2 * H * Dk, self_v.data_ptr<scalar_t>() + l * self_v.stride(0),
-                               self_v.strides().slice(1), H, Dv, length);
-    });
-    auto a = at::empty({N, H * Dv}, y.options());
-    attend(qkv.narrow(1, 0, H * Dk).view({N, H, 1, Dk}), self_k[l], self_v[l], nullptr, scale,
-           &rows, a.view({N, H, 1, Dv}));
-    add_layer_norm_(y, linear(a, 1), p[kSelfNormWeight], p[kSelfNormBias], eps);
-    // Attention over the encoder output: rows grouped by sentence are that sentence's queries.
-    const auto cq = linear(y, 2);
-    auto c = at::empty({N, H * Dv}, y.options());
-    attend(cq.view({N / group, group, H, Dk}).transpose(1, 2), memory_k[l], memory_v[l], bias,
-           scale, memory_rows ? &*memory_rows : nullptr,
-           c.view({N / group, group, H, Dv}).transpose(1, 2));
-    add_layer_norm_(y, linear(c, 3), p[kCrossNormWeight], p[kCrossNormBias], eps);
-    // Feed-forward network.
-    auto hidden = linear(y, 4);
-    relu_rows_(hidden);
-    add_layer_norm_(y, linear(hidden, 5), p[kFeedForwardNormWeight],
-                    p[kFeedForwardNormBias], eps);
-  }
+    for (int64_t l = 0; l < layers; ++l) {
+      const at::Tensor *p = &params[kDecoderLayerSlots * l];
+      // The layer's i-th linear map into `into`: 0 qkv, 1 self-attention out, 2 cross q, 3
+      // cross out, 4 W1, 5 W2 (weight p[kWeight[i]], bias the slot after it), the order of
+      // `packed`'s panels.
+      const auto linear = [&](const at::Tensor &in, int64_t i, at::Tensor &into) {
+        constexpr int64_t kWeight[kLinearsPerLayer] = {
+            kSelfQkvWeight,  kSelfOutWeight,       kCrossQWeight,
+            kCrossOutWeight, kFeedForwardW1Weight, kFeedForwardW2Weight};
+        const at::Tensor *weights = packed.data() + (kLinearsPerLayer * l + i) * per_linear;
+        const at::Tensor &weight = p[kWeight[i]], &bias = p[kWeight[i] + 1];
+        if (int8)
+          linear_int8_out_cpu(in, weights[kInt8Panels], weights[kInt8Scales], weights[kInt8Sums],
+                              bias, into);
+        else if (bf16)
+          linear_bf16_out_cpu(in, *weights, bias, into);
+        else
+          linear_out_cpu(in, weight, packed.empty() ? std::nullopt
+                                                    : std::optional<at::Tensor>(*weights),
+                         bias, into);
+      };
+      linear(y, 0, qkv);
+      auto *k = self_k.data_ptr<scalar_t>() + l * self_k.stride(0);
+      auto *v = self_v.data_ptr<scalar_t>() + l * self_v.stride(0);
+      store_position<scalar_t>(qkv, H * Dk, k, self_k.strides().slice(1), H, Dk, length);
+      store_position<scalar_t>(qkv, 2 * H * Dk, v, self_v.strides().slice(1), H, Dv, length);
+      // Row n's query (the first H·Dk columns of qkv) over its positions, held by the cache
+      // rows history[n, :length + 1].
+      Attention<scalar_t> self{Array{qkv.data_ptr<scalar_t>(), qkv.stride(0), Dk, 0},
+                               Array{k, self_k.stride(1), self_k.stride(2), self_k.stride(3)},
+                               Array{v, self_v.stride(1), self_v.stride(2), self_v.stride(3)},
+                               heads.data_ptr<scalar_t>(), H * Dv, Dv, 0};
+      self.rows = history.data_ptr<int64_t>(), self.rs0 = history.stride(0);
+      self.rs1 = history.stride(1);
+      self.G = N, self.H = H, self.R = 1, self.L = length + 1, self.Dk = Dk, self.Dv = Dv;
+      self.scale = static_cast<scalar_t>(scale);
+      attend_kernel(self);
+      linear(heads, 1, out);
+      add_layer_norm_(y, out, p[kSelfNormWeight], p[kSelfNormBias], eps);
+      // Attention over the encoder output: group g's queries (rows g·group ..) over sentence g's
+      // keys and values, or over those of the sentence row_sentences gives its first row.
+      linear(y, 2, cross_q);
+      Attention<scalar_t> cross{
+          Array{cross_q.data_ptr<scalar_t>(), group * H * Dk, Dk, H * Dk}, array(memory_k[l]),
+          array(memory_v[l]), cross_heads.data_ptr<scalar_t>(), group * H * Dv, Dv, H * Dv};
+      if (memory_bias) {
+        cross.bias = memory_bias->data_ptr<scalar_t>();
+        cross.bs0 = memory_bias->stride(0), cross.bs1 = memory_bias->stride(1);
+      }
+      if (sentences) cross.rows = row_sentences.data_ptr<int64_t>(), cross.rs0 = group;
+      cross.G = N / group, cross.H = H, cross.R = group, cross.L = S, cross.Dk = Dk;
+      cross.Dv = Dv, cross.scale = static_cast<scalar_t>(scale);
+      attend_kernel(cross);
+      linear(cross_heads, 3, out);
+      add_layer_norm_(y, out, p[kCrossNormWeight], p[kCrossNormBias], eps);
+      // Feed-forward network.
+      linear(y, 4, hidden);
+      relu_rows_(hidden);
+      linear(hidden, 5, out);
+      add_layer_norm_(y, out, p[kFeedForwardNormWeight], p[kFeedForwardNormBias], eps);
+    }
+  });
+  if (buffers.bytes() > kKeptStepBytes) buffers = StepBuffers{};
   return y;
 }
 

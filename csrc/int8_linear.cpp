@@ -395,20 +395,31 @@ at::Tensor linear_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
                            const at::Tensor &scales, const at::Tensor &sums,
                            const std::optional<at::Tensor> &bias) {
   check_quantized(x, panels, scales, sums, "linear_int8");
+  auto out = at::empty({x.size(0), scales.size(0)}, x.options());
+  linear_int8_out_cpu(x, panels, scales, sums, bias, out);
+  return out;
+}
+
+void linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &panels, const at::Tensor &scales,
+                         const at::Tensor &sums, const std::optional<at::Tensor> &bias,
+                         at::Tensor &out) {
+  check_quantized(x, panels, scales, sums, "linear_int8");
   const int64_t O = scales.size(0);
   TORCH_CHECK(!bias || (bias->dim() == 1 && bias->size(0) == O &&
                         bias->scalar_type() == at::kFloat && bias->is_contiguous()),
               "linear_int8: bias must be a contiguous float32 (", O, ") tensor");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == O &&
+                  out.is_contiguous() && out.scalar_type() == at::kFloat,
+              "linear_int8: out must be a contiguous float32 (", x.size(0), ", ", O,
+              ") tensor, got ", out.sizes(), " ", out.scalar_type());
   // Per thread, kept between calls: a decoding step makes several products of a few rows.
   thread_local std::vector<uint8_t> bytes;
   thread_local std::vector<float> xscale;
   auto product = quantize_input(x, panels, scales, sums, bytes, xscale);
-  auto out = at::empty({x.size(0), O}, x.options());
   product.bias = bias ? bias->data_ptr<float>() : nullptr;
   product.out = out.data_ptr<float>();
   at::parallel_for(0, panels.size(0), panel_grain(product.N, product.D4),
                    [&](int64_t p0, int64_t p1) { run_panels(product, p0, p1, nullptr); });
-  return out;
 }
 
 at::Tensor log_softmax_linear_int8_cpu(const at::Tensor &x, const at::Tensor &panels,

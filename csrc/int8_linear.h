@@ -37,6 +37,10 @@ at::Tensor dequantize_rows_cpu(const at::Tensor &panels, const at::Tensor &scale
 at::Tensor linear_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
                            const at::Tensor &scales, const at::Tensor &sums,
                            const std::optional<at::Tensor> &bias);
+// The same into out (N, O), float32 contiguous: a decoding step reuses its buffers.
+void linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &panels, const at::Tensor &scales,
+                         const at::Tensor &sums, const std::optional<at::Tensor> &bias,
+                         at::Tensor &out);
 
 // log_softmax(x · wᵀ) over the last dimension through the quantized weight: the int8 decoding
 // step's output distribution; the softmax pass is float32 (row_lse.h).

@@ -164,6 +164,11 @@ int64_t panel_grain(int64_t N, int64_t D) {
   return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, N * D * kPanel));
 }
 
+// Whether linear_cpu takes x (N, D) through the panels (given them): float32 rows where they win.
+bool uses_panels(const at::Tensor &x) {
+  return x.dim() == 2 && x.scalar_type() == at::kFloat && packed_linear_wins(x.size(0), x.size(1));
+}
+
 }  // namespace
 
 FASTATTN_INLINE void subtract_rows_body(float *x, int64_t O, const float *lse, int64_t begin,
@@ -194,20 +199,33 @@ at::Tensor pack_linear_weight_cpu(const at::Tensor &weight) {
 at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &packed,
                       const std::optional<at::Tensor> &bias) {
-  const bool use_packed = packed && x.dim() == 2 && x.scalar_type() == at::kFloat &&
-                          packed_linear_wins(x.size(0), x.size(1));
-  if (!use_packed) return at::linear(x, weight, bias);
+  if (!(packed && uses_panels(x))) return at::linear(x, weight, bias);
+  auto out = at::empty({x.size(0), weight.size(0)}, x.options());
+  linear_out_cpu(x, weight, packed, bias, out);
+  return out;
+}
+
+void linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
+                    const std::optional<at::Tensor> &packed,
+                    const std::optional<at::Tensor> &bias, at::Tensor &out) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              "linear: out must be a contiguous (", x.size(0), ", ", weight.size(0),
+              ") tensor in x's dtype, got ", out.sizes(), " ", out.scalar_type());
+  if (!(packed && uses_panels(x))) {
+    out.copy_(at::linear(x, weight, bias));
+    return;
+  }
   check_packed(x, weight, *packed, bias, "linear");
   const int64_t N = x.size(0), D = x.size(1), O = weight.size(0);
   const auto xc = x.contiguous();
-  auto out = at::empty({N, O}, x.options());
   const float *xp = xc.data_ptr<float>(), *pp = packed->data_ptr<float>();
   const float *bp = bias ? bias->data_ptr<float>() : nullptr;
   float *op = out.data_ptr<float>();
   at::parallel_for(0, packed->size(0), panel_grain(N, D), [&](int64_t p0, int64_t p1) {
     panels(xp, N, D, pp, bp, O, p0, p1, op, nullptr);
   });
-  return out;
 }
 
 at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,

@@ -29,6 +29,11 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
                       const std::optional<at::Tensor> &packed,
                       const std::optional<at::Tensor> &bias);
 
+// The same into out (N, O), contiguous in x's dtype: a decoding step reuses its buffers.
+void linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
+                    const std::optional<at::Tensor> &packed,
+                    const std::optional<at::Tensor> &bias, at::Tensor &out);
+
 // log_softmax(x (N, D) @ weight.T) over the last dimension: the decoding step's output
 // distribution. With `packed` and float32 the panels' pass keeps a running log-sum-exp per row
 // (online softmax), so the N x vocabulary logits take one more pass, not three; otherwise ATen.
