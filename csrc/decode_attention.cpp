@@ -204,8 +204,6 @@ FASTATTN_INLINE void attend_query_body(const scalar_t *q, const scalar_t *const 
   for (int64_t j = 0; j < L; ++j) p[j] -= max;
   weighted_sum(p, scalar_t(1) / exp_and_sum(p, L), values, L, Dv, o);
 }
-FASTATTN_PER_ISA(attend_query, attend_query_body)
-
 // Requests a row's cache lines before the loops read it: a decoding cache's rows are scattered
 // (each position may sit in another row), and loading them only as the loops reach them waits
 // on one miss after another (self-attention over 15 positions of 256 rows: 25% faster).
@@ -237,31 +235,44 @@ struct Attention {
   scalar_t scale;
 };
 
+// Pairs (group g, head h) [begin, end) of `a`: the rows of each pair's keys and values, then its
+// query rows. One kernel per level around the whole loop: per query, a call chosen by level
+// cost more than a short prefix's arithmetic.
+template <typename scalar_t>
+FASTATTN_INLINE void attend_pairs_body(const Attention<scalar_t> &a, int64_t begin, int64_t end,
+                                       scalar_t *p, scalar_t *biases, const scalar_t **keys,
+                                       const scalar_t **values) {
+  const int64_t H = a.H, L = a.L, Dk = a.Dk, Dv = a.Dv;
+  for (int64_t gh = begin; gh < end; ++gh) {
+    const int64_t g = gh / H, h = gh % H;
+    for (int64_t j = 0; j < L; ++j) {
+      const int64_t source = a.rows ? a.rows[g * a.rs0 + j * a.rs1] : g;
+      keys[j] = a.k.data + source * a.k.s0 + h * a.k.s1 + j * a.k.s2;
+      values[j] = a.v.data + source * a.v.s0 + h * a.v.s1 + j * a.v.s2;
+      prefetch_row(keys[j], Dk), prefetch_row(values[j], Dv);
+      if (a.bias) biases[j] = a.bias[source * a.bs0 + j * a.bs1];
+    }
+    for (int64_t r = 0; r < a.R; ++r) {
+      attend_query_body(a.q.data + g * a.q.s0 + h * a.q.s1 + r * a.q.s2, keys,
+                        const_cast<const scalar_t *const *>(values), a.bias ? biases : nullptr,
+                        L, Dk, Dv, a.scale, p, a.out + g * a.os0 + h * a.os1 + r * a.os2);
+    }
+  }
+}
+FASTATTN_PER_ISA(attend_pairs, attend_pairs_body)
+
 template <typename scalar_t>
 void attend_kernel(const Attention<scalar_t> &a) {
-  const int64_t H = a.H, R = a.R, L = a.L, Dk = a.Dk, Dv = a.Dv;
+  const int64_t L = a.L;
   // Threads only pay off with some work per task: about 64k multiply-adds.
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, R * L * (Dk + Dv)));
-  at::parallel_for(0, a.G * H, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain =
+      std::max<int64_t>(1, 65536 / std::max<int64_t>(1, a.R * L * (a.Dk + a.Dv)));
+  at::parallel_for(0, a.G * a.H, grain, [&](int64_t begin, int64_t end) {
     // Per thread, kept between calls (a step attends once per layer and kind).
     thread_local std::vector<scalar_t> p, biases;
     thread_local std::vector<const scalar_t *> keys, values;
     p.resize(L), biases.resize(a.bias ? L : 0), keys.resize(L), values.resize(L);
-    for (int64_t gh = begin; gh < end; ++gh) {
-      const int64_t g = gh / H, h = gh % H;
-      for (int64_t j = 0; j < L; ++j) {
-        const int64_t source = a.rows ? a.rows[g * a.rs0 + j * a.rs1] : g;
-        keys[j] = a.k.data + source * a.k.s0 + h * a.k.s1 + j * a.k.s2;
-        values[j] = a.v.data + source * a.v.s0 + h * a.v.s1 + j * a.v.s2;
-        prefetch_row(keys[j], Dk), prefetch_row(values[j], Dv);
-        if (a.bias) biases[j] = a.bias[source * a.bs0 + j * a.bs1];
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        attend_query(a.q.data + g * a.q.s0 + h * a.q.s1 + r * a.q.s2, keys.data(),
-                     values.data(), a.bias ? biases.data() : nullptr, L, Dk, Dv, a.scale,
-                     p.data(), a.out + g * a.os0 + h * a.os1 + r * a.os2);
-      }
-    }
+    attend_pairs(a, begin, end, p.data(), biases.data(), keys.data(), values.data());
   });
 }
 
