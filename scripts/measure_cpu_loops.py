@@ -1,6 +1,9 @@
 """The decoder's and trainer's fused CPU loops on this CPU, per instruction-set level, on one
 thread: the output distribution log_softmax(x · Wᵀ) over 8,000 pieces (float32 and int8, the
-decoder's last step) and attention forward + backward at the multi30k training shape (causal,
+decoder's last step); the float32 panels at a batch-1 beam's 4 rows by the weight's size (in L2
+or not); the decoding attention at the multi30k model's heads (256 rows' self-attention over a
+prefix whose positions sit in other cache rows or in their own, and a beam's 4 queries over 15
+source positions); and attention forward + backward at the multi30k training shape (causal,
 dropout 0.1). Milliseconds per call, the best of a few; each level in a process of its own with
 every library held to it (benchmarks.common.HELD_ISA).
 
@@ -35,6 +38,21 @@ def measure() -> dict[str, float]:
                 partial(ops.log_softmax_linear, x, w, packed))
             results[f"log_softmax_linear int8 {rows}x{depth}->8000"] = best_seconds(
                 partial(ops.log_softmax_linear_int8, x, *int8))
+    for out in (1024, 5456, 16384):
+        w = torch.randn(out, 128) / 128 ** 0.5
+        results[f"linear fp32 panels 4x128->{out}"] = best_seconds(
+            partial(ops.linear, torch.randn(4, 128), w, ops.pack_linear_weight(w), None))
+    keys, values = torch.randn(256, 4, 41, 32), torch.randn(256, 4, 41, 32)
+    query = torch.randn(256, 4, 1, 32)
+    for length in (4, 13, 30):
+        scattered = torch.randint(0, 256, (256, length), generator=torch.Generator().manual_seed(0))
+        own = torch.arange(256).unsqueeze(1).expand(256, length).contiguous()
+        for name, rows in (("scattered", scattered), ("own", own)):
+            results[f"decode_attention (256, 4, 1, 32) over {length}, {name} rows"] = best_seconds(
+                partial(ops.decode_attention, query, keys, values, None, 32 ** -0.5, rows))
+    results["decode_attention (64, 4, 4, 32) over 15"] = best_seconds(partial(
+        ops.decode_attention, torch.randn(64, 4, 4, 32), torch.randn(64, 4, 15, 32),
+        torch.randn(64, 4, 15, 32), torch.zeros(64, 15), 32 ** -0.5, None))
     q, k, v = (torch.randn(125, 4, 25, 32, requires_grad=True) for _ in range(3))
     grad = torch.randn(125, 4, 25, 32)
 
@@ -59,7 +77,7 @@ def main() -> None:
                                            one_thread=True))
     print(f"{'ms per call, one thread':<58}" + "".join(f"{level:>10}" for level in args.levels))
     for name in table[args.levels[0]]:
-        print(f"{name:<58}" + "".join(f"{table[level][name]:>10.2f}" for level in args.levels))
+        print(f"{name:<58}" + "".join(f"{table[level][name]:>10.3f}" for level in args.levels))
 
 
 if __name__ == "__main__":
