@@ -223,6 +223,10 @@ struct Attention {
   struct Array {
     const scalar_t *data;
     int64_t s0, s1, s2;
+
+    static Array of(const at::Tensor &t) {
+      return {t.data_ptr<scalar_t>(), t.stride(0), t.stride(1), t.stride(2)};
+    }
   };
   Array q, k, v;
   scalar_t *out;
@@ -280,11 +284,8 @@ void attend_kernel(const Attention<scalar_t> &a) {
 void attend(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, const at::Tensor *bias,
             double scale, const at::Tensor *rows, at::Tensor out) {
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "decode_attention", [&] {
-    const auto array = [](const at::Tensor &t) {
-      return typename Attention<scalar_t>::Array{t.data_ptr<scalar_t>(), t.stride(0),
-                                                 t.stride(1), t.stride(2)};
-    };
-    Attention<scalar_t> a{array(q), array(k), array(v), out.data_ptr<scalar_t>(),
+    using Array = typename Attention<scalar_t>::Array;
+    Attention<scalar_t> a{Array::of(q), Array::of(k), Array::of(v), out.data_ptr<scalar_t>(),
                           out.stride(0), out.stride(1), out.stride(2)};
     if (bias) a.bias = bias->data_ptr<scalar_t>(), a.bs0 = bias->stride(0), a.bs1 = bias->stride(1);
     if (rows) a.rows = rows->data_ptr<int64_t>(), a.rs0 = rows->stride(0), a.rs1 = rows->stride(1);
@@ -473,9 +474,6 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
   auto &hidden = buffer(buffers.hidden, N, params[kFeedForwardW1Weight].size(0), options);
   AT_DISPATCH_FLOATING_TYPES(y.scalar_type(), "decoder_step", [&] {
     using Array = typename Attention<scalar_t>::Array;
-    const auto array = [](const at::Tensor &t) {
-      return Array{t.data_ptr<scalar_t>(), t.stride(0), t.stride(1), t.stride(2)};
-    };
     for (int64_t l = 0; l < layers; ++l) {
       const at::Tensor *p = &params[kDecoderLayerSlots * l];
       // The layer's i-th linear map into `into`: 0 qkv, 1 self-attention out, 2 cross q, 3
@@ -518,9 +516,9 @@ at::Tensor decoder_step_cpu(const at::Tensor &x, at::TensorList params, const at
       // Attention over the encoder output: group g's queries (rows g·group ..) over sentence g's
       // keys and values, or over those of the sentence row_sentences gives its first row.
       linear(y, 2, cross_q);
-      Attention<scalar_t> cross{
-          Array{cross_q.data_ptr<scalar_t>(), group * H * Dk, Dk, H * Dk}, array(memory_k[l]),
-          array(memory_v[l]), cross_heads.data_ptr<scalar_t>(), group * H * Dv, Dv, H * Dv};
+      Attention<scalar_t> cross{Array{cross_q.data_ptr<scalar_t>(), group * H * Dk, Dk, H * Dk},
+                                Array::of(memory_k[l]), Array::of(memory_v[l]),
+                                cross_heads.data_ptr<scalar_t>(), group * H * Dv, Dv, H * Dv};
       if (memory_bias) {
         cross.bias = memory_bias->data_ptr<scalar_t>();
         cross.bs0 = memory_bias->stride(0), cross.bs1 = memory_bias->stride(1);

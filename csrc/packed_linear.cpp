@@ -159,6 +159,16 @@ void check_packed(const at::Tensor &x, const at::Tensor &weight, const at::Tenso
               op, ": bias must be a contiguous float32 (", O, ") tensor");
 }
 
+// An _out variant's out: (N, O) for x (N, D) and weight (O, D), contiguous, in x's dtype.
+void check_out(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &out,
+               const char *op) {
+  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) &&
+                  out.size(1) == weight.size(0) && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type(),
+              op, ": out must be a contiguous (", x.size(0), ", ", weight.size(0),
+              ") tensor in x's dtype, got ", out.sizes(), " ", out.scalar_type());
+}
+
 // Threads only pay off with some work per task: about 64k multiply-adds.
 int64_t panel_grain(int64_t N, int64_t D) {
   return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, N * D * kPanel));
@@ -208,11 +218,7 @@ at::Tensor linear_cpu(const at::Tensor &x, const at::Tensor &weight,
 void linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
                     const std::optional<at::Tensor> &packed,
                     const std::optional<at::Tensor> &bias, at::Tensor &out) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == weight.size(0) && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type(),
-              "linear: out must be a contiguous (", x.size(0), ", ", weight.size(0),
-              ") tensor in x's dtype, got ", out.sizes(), " ", out.scalar_type());
+  check_out(x, weight, out, "linear");
   if (!(packed && uses_panels(x))) {
     out.copy_(at::linear(x, weight, bias));
     return;
@@ -239,11 +245,7 @@ at::Tensor log_softmax_linear_cpu(const at::Tensor &x, const at::Tensor &weight,
 
 void log_softmax_linear_out_cpu(const at::Tensor &x, const at::Tensor &weight,
                                 const std::optional<at::Tensor> &packed, at::Tensor &out) {
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == x.size(0) &&
-                  out.size(1) == weight.size(0) && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type(),
-              "log_softmax_linear: out must be a contiguous (", x.size(0), ", ", weight.size(0),
-              ") tensor in x's dtype, got ", out.sizes(), " ", out.scalar_type());
+  check_out(x, weight, out, "log_softmax_linear");
   if (!packed || x.scalar_type() != at::kFloat) {
     at::_log_softmax_out(out, at::linear(x, weight), -1, false);
     return;
