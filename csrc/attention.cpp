@@ -98,6 +98,7 @@ FASTATTN_INLINE void matmul(int64_t M, int64_t N, int64_t K, const float *a, int
                             int64_t ak, const float *b, int64_t ldb, float *c, int64_t ldc,
                             bool accumulate) {
   switch (cpu_isa()) {
+    case CpuIsa::kAmx:
     case CpuIsa::kAvx512:
       return matmul_tiles<v16, 4, 8>(M, N, K, a, ai, ak, b, ldb, c, ldc, accumulate);
     case CpuIsa::kAvx2:

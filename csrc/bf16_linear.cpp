@@ -1,5 +1,6 @@
 #include "bf16_linear.h"
 
+#include "amx_tiles.h"
 #include "cpu_isa.h"
 #include "row_lse.h"
 #include "vector_math.h"
@@ -219,12 +220,24 @@ FASTATTN_BF16 void panels_bf16(const Bf16Product &a, int64_t p0, int64_t p1, Row
   for (; p + 2 <= p1; p += 2) rows_bf16<2>(a, p, lse);
   for (; p < p1; ++p) rows_bf16<1>(a, p, lse);
 }
+
+// From 16 rows, AMX's tdpbf16ps on the panels as they lie (amx_tiles.h): float32 sums of the same
+// products, added in the tile's own order.
+FASTATTN_AMX void panels_amx(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
+  // always_inline: a lambda does not take the function's target, and inlined it is built with it.
+  const auto finish_row = [&](int64_t n, int64_t p, const float *sums)
+                              __attribute__((always_inline)) {
+    finish(a, n, p, sums, lse ? lse + n : nullptr);
+  };
+  amx_panels<true, float>(a.x, a.xs * sizeof(uint16_t), a.N, a.D2, a.panels, p0, p1, finish_row);
+}
 #endif
 
-enum class Bf16Kernel { kAvx512Bf16, kAvx2, kScalar };
+enum class Bf16Kernel { kAmx, kAvx512Bf16, kAvx2, kScalar };
 
 Bf16Kernel bf16_kernel() {
 #ifdef FASTATTN_X86
+  if (cpu_isa() == CpuIsa::kAmx) return Bf16Kernel::kAmx;
   if (use_avx512_bf16()) return Bf16Kernel::kAvx512Bf16;
   if (cpu_isa() >= CpuIsa::kAvx2) return Bf16Kernel::kAvx2;
 #endif
@@ -234,6 +247,8 @@ Bf16Kernel bf16_kernel() {
 void run_panels(const Bf16Product &a, int64_t p0, int64_t p1, RowLse *lse) {
   switch (bf16_kernel()) {
 #ifdef FASTATTN_X86
+    case Bf16Kernel::kAmx:
+      return a.N >= kAmxRows ? panels_amx(a, p0, p1, lse) : panels_bf16(a, p0, p1, lse);
     case Bf16Kernel::kAvx512Bf16: return panels_bf16(a, p0, p1, lse);
     case Bf16Kernel::kAvx2: return panels_avx2(a, p0, p1, lse);
 #endif
@@ -253,13 +268,14 @@ void check_packed(const at::Tensor &x, const at::Tensor &panels, int64_t O, cons
               x.sizes(), " ", x.scalar_type());
 }
 
-// x rounded row by row to bfloat16 pairs into `rows` (N rows of D2 · 2, zero past D).
+// x rounded row by row to bfloat16 pairs into `rows` (N rows of D2 · 2, zero past D, and zero
+// rows up to amx_padded_rows(N)).
 Bf16Product round_input(const at::Tensor &x, const at::Tensor &panels, int64_t O,
                         std::vector<uint16_t> &rows) {
   const int64_t N = x.size(0), D = x.size(1), D2 = panels.size(1);
   const auto xc = x.contiguous();
   const float *xp = xc.data_ptr<float>();
-  rows.assign(N * D2 * kPair, 0);
+  rows.assign(amx_padded_rows(N) * D2 * kPair, 0);  // the tiles read whole blocks of rows
   for (int64_t n = 0; n < N; ++n)
     for (int64_t d = 0; d < D; ++d) rows[n * D2 * kPair + d] = to_bf16(xp[n * D + d]);
   const auto *pp = reinterpret_cast<const uint16_t *>(panels.data_ptr<at::BFloat16>());
@@ -374,6 +390,7 @@ OutputRows output_rows_bf16_cpu(const at::Tensor &x, const at::Tensor &panels, i
 
 std::string bf16_kernel_cpu() {
   switch (bf16_kernel()) {
+    case Bf16Kernel::kAmx: return "amx-bf16";
     case Bf16Kernel::kAvx512Bf16: return "avx512-bf16";
     case Bf16Kernel::kAvx2: return "avx2";
     default: return "scalar";

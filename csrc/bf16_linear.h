@@ -1,7 +1,7 @@
 // bfloat16 linear maps for decoding (precision="bf16"): the weights rounded to bfloat16 once, each
 // activation row rounded on the fly, products summed in float32 by AVX-512 BF16's vdpbf16ps (two
 // pairs per lane and instruction), by AVX2 float32 multiply-adds or a scalar loop of the same
-// sums in the same order elsewhere:
+// sums in the same order elsewhere; at the amx level, from 16 rows, by AMX's tdpbf16ps:
 //   y[n, o] = Σ_d bf16(x[n, d]) · bf16(w[o, d]) + bias[o].
 #pragma once
 
@@ -41,8 +41,8 @@ at::Tensor log_softmax_linear_bf16_cpu(const at::Tensor &x, const at::Tensor &pa
 OutputRows output_rows_bf16_cpu(const at::Tensor &x, const at::Tensor &panels, int64_t O,
                                 int top);
 
-// The bf16 dot product run at the instruction-set level in use (cpu_isa.h): "avx512-bf16",
-// "avx2" or "scalar".
+// The bf16 dot product run at the instruction-set level in use (cpu_isa.h): "amx-bf16" (AVX-512
+// BF16's below 16 rows), "avx512-bf16", "avx2" or "scalar".
 std::string bf16_kernel_cpu();
 
 }  // namespace fastattn

@@ -16,8 +16,9 @@ namespace fastattn {
 
 // Lowest first. kScalar is the portable C++ built for the baseline (x86-64: SSE2; aarch64: NEON,
 // auto-vectorised); kAvx2 is x86-64-v3 (AVX2, FMA); kAvx512 is x86-64-v4 (AVX-512 F/BW/DQ/VL),
-// with VNNI and BF16 used where the CPU has them.
-enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+// with VNNI and BF16 used where the CPU has them; kAmx is kAvx512 (with VNNI and BF16) and AMX's
+// int8 and bf16 tiles for the decoding products (amx_tiles.h); the rest runs its AVX-512 build.
+enum class CpuIsa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAmx = 3 };
 
 // The best level this CPU runs.
 CpuIsa supported_cpu_isa();
@@ -28,14 +29,14 @@ CpuIsa cpu_isa_limit();
 // The level the kernels run at now.
 CpuIsa cpu_isa();
 
-// Holds the kernels to `level` or below ("avx512", "avx2", "scalar"); a level above the limit
+// Holds the kernels to `level` or below ("amx", "avx512", "avx2", "scalar"); a level above the limit
 // runs at the limit. Returns the level in use. An unknown name is an error.
 std::string set_cpu_isa(const std::string &level);
 
 std::string cpu_isa_name(CpuIsa level);
 
 // Extensions within the AVX-512 level: true only when the CPU has them and the level in use is
-// AVX-512.
+// AVX-512 or AMX.
 bool use_avx512_vnni();
 bool use_avx512_bf16();
 
@@ -66,6 +67,7 @@ bool use_avx512_bf16();
   template <typename... A>                                                                \
   inline decltype(auto) name(A &&...a) {                                                  \
     switch (::fastattn::cpu_isa()) {                                                      \
+      case ::fastattn::CpuIsa::kAmx:                                                      \
       case ::fastattn::CpuIsa::kAvx512: return name##_avx512(std::forward<A>(a)...);      \
       case ::fastattn::CpuIsa::kAvx2: return name##_avx2(std::forward<A>(a)...);          \
       default: return name##_scalar(std::forward<A>(a)...);                              \

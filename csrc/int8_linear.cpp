@@ -1,5 +1,6 @@
 #include "int8_linear.h"
 
+#include "amx_tiles.h"
 #include "cpu_isa.h"
 #include "row_lse.h"
 #include "vector_math.h"
@@ -81,29 +82,34 @@ struct Int8Product {
 
 // out[n, 16p : 16p + 16] = (acc - offset · sums) · (sx[n] · sw) + bias, the last panel's first
 // columns only (no out: nowhere); with lse, the values join row n's RowLse. offset is 128 where acc
-// summed the stored bytes qx + 128, 0 where it summed qx.
+// summed the stored bytes qx + 128, 0 where it summed qx. The last panel's columns go through the
+// same 16-lane arithmetic, padded: every kernel that inlines this rounds them alike.
 FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const int32_t *acc,
                             RowLse *lse, int32_t offset = 128) {
   const int64_t o = p * kPanel, columns = std::min(kPanel, a.O - o);
   float *out = a.out ? a.out + n * a.O + o : nullptr;
-  const float xscale = a.xscale[n];
-  if (columns == kPanel) {
-    v16i sum, sums;
-    std::memcpy(&sum, acc, sizeof sum);
-    std::memcpy(&sums, a.sums + o, sizeof sums);
-    v16 y = __builtin_convertvector(sum - offset * sums, v16) * (xscale * load16(a.scales + o));
-    if (a.bias) y += load16(a.bias + o);
-    if (out) std::memcpy(out, &y, sizeof y);
-    if (lse) lse->add16(y, o);
-    return;
+  const int32_t *sums_at = a.sums + o;
+  const float *scales_at = a.scales + o, *bias_at = a.bias ? a.bias + o : nullptr;
+  int32_t sums_padded[kPanel] = {};
+  float scales_padded[kPanel] = {}, bias_padded[kPanel] = {};
+  if (columns < kPanel) {
+    std::copy(sums_at, sums_at + columns, sums_padded);
+    std::copy(scales_at, scales_at + columns, scales_padded);
+    if (bias_at) std::copy(bias_at, bias_at + columns, bias_padded);
+    sums_at = sums_padded, scales_at = scales_padded, bias_at = bias_at ? bias_padded : nullptr;
   }
-  float y[kPanel];
-  for (int64_t c = 0; c < columns; ++c) {
-    y[c] = static_cast<float>(acc[c] - offset * a.sums[o + c]) * (xscale * a.scales[o + c]);
-    if (a.bias) y[c] += a.bias[o + c];
-  }
-  if (out) std::memcpy(out, y, columns * sizeof(float));
-  if (lse) lse->add(y, columns, o);
+  v16i sum, sums;
+  std::memcpy(&sum, acc, sizeof sum);
+  std::memcpy(&sums, sums_at, sizeof sums);
+  v16 y = __builtin_convertvector(sum - offset * sums, v16) * (a.xscale[n] * load16(scales_at));
+  if (bias_at) y += load16(bias_at);
+  if (out && columns == kPanel) std::memcpy(out, &y, sizeof y);
+  else if (out) std::memcpy(out, &y, columns * sizeof(float));
+  if (!lse) return;
+  if (columns == kPanel) return lse->add16(y, o);
+  float part[kPanel];
+  std::memcpy(part, &y, sizeof part);
+  lse->add(part, columns, o);
 }
 
 // Panels [p0, p1) for all rows, one row and one panel at a time: the fallback of CPUs without
@@ -265,12 +271,23 @@ FASTATTN_VNNI void panels_vnni(const Int8Product &a, int64_t p0, int64_t p1, Row
   for (; p + 2 <= p1; p += 2) rows_vnni<2>(a, p, lse);
   for (; p < p1; ++p) rows_vnni<1>(a, p, lse);
 }
+
+// From 16 rows, AMX's tdpbusd on the panels as they lie (amx_tiles.h): the same bytes and sums as
+// vpdpbusd, scaled back by the same finish. Products only: the log-softmax stays on VNNI
+// (run_panels).
+FASTATTN_AMX void panels_amx(const Int8Product &a, int64_t p0, int64_t p1) {
+  // always_inline: a lambda does not take the function's target, and inlined it is built with it.
+  const auto finish_row = [&](int64_t n, int64_t p, const int32_t *sums)
+                              __attribute__((always_inline)) { finish(a, n, p, sums, nullptr); };
+  amx_panels<false, int32_t>(a.x, a.xs, a.N, a.D4, a.panels, p0, p1, finish_row);
+}
 #endif
 
-enum class Int8Kernel { kVnni, kAvx2, kScalar };
+enum class Int8Kernel { kAmx, kVnni, kAvx2, kScalar };
 
 Int8Kernel int8_kernel() {
 #ifdef FASTATTN_X86
+  if (cpu_isa() == CpuIsa::kAmx) return Int8Kernel::kAmx;
   if (use_avx512_vnni()) return Int8Kernel::kVnni;
   if (cpu_isa() >= CpuIsa::kAvx2) return Int8Kernel::kAvx2;
 #endif
@@ -280,6 +297,10 @@ Int8Kernel int8_kernel() {
 void run_panels(const Int8Product &a, int64_t p0, int64_t p1, RowLse *lse) {
   switch (int8_kernel()) {
 #ifdef FASTATTN_X86
+    // The output layer's log-softmax (lse) stays on VNNI: its exponentials ran slower beside
+    // the tiles than the tiles saved (a whole decoder, multi30k int8 batch 16/64: 6-8% faster so).
+    case Int8Kernel::kAmx:
+      return a.N >= kAmxRows && !lse ? panels_amx(a, p0, p1) : panels_vnni(a, p0, p1, lse);
     case Int8Kernel::kVnni: return panels_vnni(a, p0, p1, lse);
     case Int8Kernel::kAvx2: return panels_avx2(a, p0, p1, lse);
 #endif
@@ -312,7 +333,7 @@ Int8Product quantize_input(const at::Tensor &x, const at::Tensor &panels,
                            std::vector<uint8_t> &bytes, std::vector<float> &xscale) {
   const int64_t N = x.size(0), D = x.size(1), D4 = panels.size(1);
   const auto xc = x.contiguous();
-  bytes.resize(N * D4 * kQuad);
+  bytes.resize(amx_padded_rows(N) * D4 * kQuad);  // the tiles read whole blocks of rows
   xscale.resize(N);
   const float *xp = xc.data_ptr<float>();
   const int32_t levels = int8_kernel() == Int8Kernel::kAvx2 ? kAvx2Levels : kLevels;
@@ -467,6 +488,7 @@ OutputRows output_rows_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
 
 std::string int8_kernel_cpu() {
   switch (int8_kernel()) {
+    case Int8Kernel::kAmx: return "amx-int8";
     case Int8Kernel::kVnni: return "avx512-vnni";
     case Int8Kernel::kAvx2: return "avx2";
     default: return "scalar";

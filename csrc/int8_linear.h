@@ -4,8 +4,9 @@
 //   y[n, o] = (Σ_d qx[n, d] · qw[o, d]) · (sx[n] · sw[o]) + bias[o],
 //   sw[o] = max_d |w[o, d]| / 127, qw[o, d] = round(w[o, d] / sw[o]) in -127..127; sx alike.
 // AVX-512 VNNI's vpdpbusd multiplies unsigned by signed bytes, so the activations are stored as
-// qx + 128 (1..255) and 128 · Σ_d qw[o, d] is taken off each sum; AVX2's vpmaddubsw and a scalar
-// loop compute the same integers.
+// qx + 128 (1..255) and 128 · Σ_d qw[o, d] is taken off each sum; AMX's tdpbusd (16 rows or more
+// at the amx level) sums the same bytes, and AVX2's vpmaddubsw and a scalar loop the same
+// integers.
 #pragma once
 
 #include "row_lse.h"
@@ -57,8 +58,8 @@ void log_softmax_linear_int8_out_cpu(const at::Tensor &x, const at::Tensor &pane
 OutputRows output_rows_int8_cpu(const at::Tensor &x, const at::Tensor &panels,
                                 const at::Tensor &scales, const at::Tensor &sums, int top);
 
-// The int8 dot product run at the instruction-set level in use (cpu_isa.h): "avx512-vnni",
-// "avx2" or "scalar".
+// The int8 dot product run at the instruction-set level in use (cpu_isa.h): "amx-int8" (AVX-512
+// VNNI's below 16 rows), "avx512-vnni", "avx2" or "scalar".
 std::string int8_kernel_cpu();
 
 }  // namespace fastattn

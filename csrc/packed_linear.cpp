@@ -136,6 +136,7 @@ void panels(const float *x, int64_t N, int64_t D, const float *packed, const flo
             int64_t O, int64_t p0, int64_t p1, float *out, RowLse *lse) {
 #ifdef FASTATTN_X86
   switch (cpu_isa()) {
+    case CpuIsa::kAmx:
     case CpuIsa::kAvx512: return panels_avx512(x, N, D, packed, bias, O, p0, p1, out, lse);
     case CpuIsa::kAvx2: return panels_avx2(x, N, D, packed, bias, O, p0, p1, out, lse);
     default: break;

@@ -11,8 +11,8 @@ import torch
 
 # The levels fastattn._C's CPU kernels are compiled for, lowest first: portable C++ for the
 # baseline (x86-64: SSE2), x86-64-v3 (AVX2 + FMA), x86-64-v4 (AVX-512; VNNI and BF16 where the
-# CPU has them).
-CPU_ISA_LEVELS = ("scalar", "avx2", "avx512")
+# CPU has them), and x86-64-v4 with AMX's int8 tiles.
+CPU_ISA_LEVELS = ("scalar", "avx2", "avx512", "amx")
 
 
 def _load() -> ModuleType | None:

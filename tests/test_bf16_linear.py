@@ -94,9 +94,12 @@ def test_every_level_computes_what_avx512_bf16_computes(at_every_cpu_isa):
     panels = ops.pack_linear_weight_bf16(w)
     outs = [ops.linear_bf16(x, panels, b, 100), ops.log_softmax_linear_bf16(x, panels, 100)]
     has_bf16 = "avx512_bf16" in CPU_FLAGS
-    expected = {"avx512": "avx512-bf16" if has_bf16 else "avx2", "avx2": "avx2", "scalar": "scalar"}
+    expected = {"amx": "amx-bf16", "avx512": "avx512-bf16" if has_bf16 else "avx2",
+                "avx2": "avx2", "scalar": "scalar"}
     assert ops.bf16_kernel() == expected[at_every_cpu_isa]
-    set_cpu_isa(supported_cpu_isas()[-1])
+    if at_every_cpu_isa == "amx":
+        return  # AMX's sums: test_amx_tiles_sum_within_float32_rounding
+    set_cpu_isa(supported_cpu_isas()[min(2, len(supported_cpu_isas()) - 1)])  # up to avx512
     assert torch.equal(ops.pack_linear_weight_bf16(w), panels)
     best = [ops.linear_bf16(x, panels, b, 100), ops.log_softmax_linear_bf16(x, panels, 100)]
     for out, best_out in zip(outs, best, strict=True):
@@ -121,3 +124,33 @@ def test_avx2_sums_as_the_scalar_loop_bit_for_bit(rows, inputs, outputs):
         set_cpu_isa(before)
     for avx2, scalar in zip(outs["avx2"], outs["scalar"], strict=True):
         assert torch.equal(avx2, scalar)
+
+
+@pytest.mark.skipif("amx" not in supported_cpu_isas(), reason="this CPU (or FASTATTN_CPU_ISA) "
+                    "runs no AMX")
+@pytest.mark.parametrize(("rows", "inputs", "outputs"),
+                         [(16, 64, 16), (17, 1, 17), (33, 97, 100), (100, 130, 33),
+                          (256, 512, 2048)])
+def test_amx_tiles_sum_within_float32_rounding(rows, inputs, outputs):
+    """From 16 rows the amx level sums the same exact products (two bfloat16s multiply exactly in
+    float32) in the tiles' order: each of the two sums of D terms rounds D times at most, so the
+    outputs differ by at most D · 2^-23 · Σ_d |bf16(x) · bf16(w)| (log-probabilities by twice a
+    row's largest such bound). Fewer rows run vdpbf16ps, bit for bit."""
+    x, w, bias = case(rows, inputs, outputs, seed=2)
+    panels = ops.pack_linear_weight_bf16(w)
+    before = set_cpu_isa("amx")
+    try:
+        outs = {}
+        for level in ("amx", "avx512"):
+            set_cpu_isa(level)
+            outs[level] = [ops.linear_bf16(x, panels, bias, outputs),
+                           ops.log_softmax_linear_bf16(x, panels, outputs),
+                           ops.linear_bf16(x[:15], panels, bias, outputs)]
+    finally:
+        set_cpu_isa(before)
+    rounded = [t.bfloat16().double() for t in (x, w)]
+    bound = inputs * 2.0 ** -23 * (rounded[0].abs() @ rounded[1].abs().T)
+    (linear, log_probs, few), (linear_ref, log_probs_ref, few_ref) = outs["amx"], outs["avx512"]
+    assert ((linear - linear_ref).abs() <= bound).all()
+    assert ((log_probs - log_probs_ref).abs() <= 2 * bound.amax(1, keepdim=True) + 1e-6).all()
+    assert torch.equal(few, few_ref)

@@ -37,7 +37,7 @@ def test_an_unknown_level_is_named():
     assert out.returncode != 0
     assert out.stderr.strip().splitlines()[-1] == (
         "ValueError: FASTATTN_CPU_ISA: unknown instruction-set level 'avx3'; expected one of "
-        "avx512, avx2, scalar")
+        "amx, avx512, avx2, scalar")
     with pytest.raises(ValueError, match="unknown instruction-set level 'AVX2'"):
         set_cpu_isa("AVX2")
 

@@ -140,6 +140,31 @@ def test_every_level_against_the_best(at_every_cpu_isa, rows):
 
 def expected_kernel(level):
     """The int8 dot product each level runs on this CPU."""
+    if level == "amx":
+        return "amx-int8"
     if level == "avx512" and "avx512_vnni" in CPU_FLAGS:
         return "avx512-vnni"
     return "scalar" if level == "scalar" else "avx2"
+
+
+@pytest.mark.skipif("amx" not in supported_cpu_isas(), reason="this CPU (or FASTATTN_CPU_ISA) "
+                    "runs no AMX")
+@pytest.mark.parametrize(("rows", "inputs", "outputs"),
+                         [(16, 64, 16), (17, 1, 17), (33, 97, 100), (100, 130, 33),
+                          (256, 512, 2048)])
+def test_amx_tiles_sum_what_vnni_sums(rows, inputs, outputs):
+    """From 16 rows the amx level multiplies in tiles (whole blocks of 16 rows and 16 quads, then
+    the rest) and scales back as VNNI does: every output and log-probability the same bits."""
+    x, w, bias = case(rows, inputs, outputs, seed=2)
+    parts = ops.quantize_linear_weight(w)
+    before = set_cpu_isa("amx")
+    try:
+        outs = {}
+        for level in ("amx", "avx512"):
+            set_cpu_isa(level)
+            outs[level] = [ops.linear_int8(x, *parts, bias), ops.linear_int8(x, *parts, None),
+                           ops.log_softmax_linear_int8(x, *parts)]
+    finally:
+        set_cpu_isa(before)
+    for amx, vnni in zip(outs["amx"], outs["avx512"], strict=True):
+        assert torch.equal(amx, vnni)
