@@ -37,8 +37,12 @@ HELD_ISA = {
              "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2",
              "CT2_FORCE_CPU_ISA": "AVX2"},
     "avx512": {"FASTATTN_CPU_ISA": "avx512", "ATEN_CPU_CAPABILITY": "avx512",
-               "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+               "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
                "CT2_FORCE_CPU_ISA": "AVX512"},
+    # AVX-512 with AMX's tiles (MKL and CTranslate2 name no AMX level of their own).
+    "amx": {"FASTATTN_CPU_ISA": "amx", "ATEN_CPU_CAPABILITY": "avx512",
+            "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX",
+            "CT2_FORCE_CPU_ISA": "AVX512"},
 }
 
 

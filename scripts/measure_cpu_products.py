@@ -1,8 +1,10 @@
 """The decoder's and trainer's linear maps on this CPU, per instruction-set level: fastattn._C's
 packed float32, int8 and bf16 products against what torch's wheel ships (MKL's sgemm through
-F.linear, fbgemm's dynamic int8 linear on prepacked weights), and at the output layers' shapes
-the decoding step's fused log_softmax(x · Wᵀ) against F.linear + log_softmax; GFLOP/s on one
-thread.
+F.linear, fbgemm's dynamic int8 linear on prepacked weights, oneDNN's int8 product
+torch._int_mm on rows already quantized (int32 sums only: no quantizing, no scaling back) and
+its bf16 F.linear on bf16 tensors (bf16 out); both AMX's tiles where the level allows), and at
+the output layers' shapes the decoding step's fused log_softmax(x · Wᵀ) against F.linear +
+log_softmax; GFLOP/s on one thread.
 
     python -m scripts.measure_cpu_products [--levels avx512 avx2] [--rows 1 4 16 64 256]
 
@@ -25,8 +27,8 @@ from benchmarks.common import HELD_ISA, run_held
 SHAPES = [(512, 512), (512, 2048), (2048, 512), (512, 8000), (256, 256), (256, 1024),
           (128, 384), (128, 128), (128, 256), (256, 128), (128, 5455)]
 OUTPUT_LAYERS = {(512, 8000), (128, 5455)}
-KERNELS = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8", "fastattn bf16",
-           "fastattn log_softmax", "torch log_softmax"]
+KERNELS = ["fastattn fp32", "F.linear fp32", "fastattn int8", "fbgemm int8", "oneDNN int8",
+           "fastattn bf16", "oneDNN bf16", "fastattn log_softmax", "torch log_softmax"]
 
 
 def best_seconds(fn, budget: float = 0.3) -> float:
@@ -58,15 +60,19 @@ def measure(rows_list: list[int]) -> list[dict]:
                                                  torch.zeros(d_out, dtype=torch.long), 0,
                                                  torch.qint8)
         fbgemm = torch.ops.quantized.linear_prepack(per_channel, b)
+        w_int8, w_bf16, b_bf16 = per_channel.int_repr().T, w.bfloat16(), b.bfloat16()
         for rows in rows_list:
             x = torch.randn(rows, d_in)
+            x_int8 = torch.randint(-127, 128, (rows, d_in), dtype=torch.int8)
             flops = 2 * rows * d_in * d_out
             cases = {
                 "fastattn fp32": partial(ops.linear, x, w, packed, b),
                 "F.linear fp32": partial(F.linear, x, w, b),
                 "fastattn int8": partial(ops.linear_int8, x, *int8, b),
                 "fbgemm int8": partial(torch.ops.quantized.linear_dynamic, x, fbgemm, True),
+                "oneDNN int8": partial(torch._int_mm, x_int8, w_int8),
                 "fastattn bf16": partial(ops.linear_bf16, x, bf16, b, d_out),
+                "oneDNN bf16": partial(F.linear, x.bfloat16(), w_bf16, b_bf16),
             }
             if (d_in, d_out) in OUTPUT_LAYERS:
                 cases["fastattn log_softmax"] = partial(ops.log_softmax_linear, x, w, packed)
@@ -80,7 +86,8 @@ def measure(rows_list: list[int]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--levels", nargs="+", default=["avx512", "avx2"], choices=list(HELD_ISA))
+    parser.add_argument("--levels", nargs="+", default=["avx512", "avx2"], choices=list(HELD_ISA),
+                        help="amx too where the CPU has it")
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 256])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
