@@ -16,7 +16,9 @@ one FASTATTN_CPU_ISA holds it to (amx runs as avx512):
 - AuthenticAMD avx512: Zen 5 and Zen 4, made by the code before the redesign (commit ee131e1);
 - GenuineIntel avx512: a 2-core Xeon (family 6 model 207, AVX-512, no AMX visible), with the Zen 5
   checkpoint above, by ee131e1 too;
-- AuthenticAMD avx2: a Zen 4 held to AVX2 (FASTATTN_CPU_ISA=avx2), the level a Zen 3 runs.
+- AuthenticAMD avx2: a Zen 4 held to AVX2 (FASTATTN_CPU_ISA=avx2), the level a Zen 3 runs;
+- GenuineIntel avx2: a 2-core Xeon with AMX held to AVX2, by 70cc48b (gradient norms differ from
+  AMD's at avx2 in the last bits from update 1, as at avx512).
 
 Re-record only when a change is meant to alter the numbers, on each vendor and level, and say why
 in its commit (it writes this CPU's record at the level in use; the old checkpoint stays as it is):
