@@ -37,8 +37,12 @@ def test_the_loss_over_every_position_has_the_gathered_loss_and_gradients():
         loss.backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         grads[-1].append(torch.stack([loss.detach(), nll]))
+    # The same float32 terms summed in another order (every position, then masked): each
+    # element within a few dozen roundings of its tensor's scale. Not of its own size: an element
+    # near cancellation keeps no relative accuracy (one of 1.25e-3 moved by 1e-4 of itself on a
+    # Xeon held to AVX2).
     for a, g in zip(*grads, strict=True):
-        torch.testing.assert_close(a, g, rtol=1e-5, atol=1e-7)
+        assert (a - g).abs().max() <= 1e-5 * g.abs().max()
 
 
 def adam(model):
