@@ -63,8 +63,18 @@ FASTATTN_AMX_INLINE void amx_panels(const void *x, int64_t x_stride, int64_t N, 
     config.set(7, tail, kRow);
   }
   _tile_loadconfig(&config);
-#define FASTATTN_TILE_DOT(c, a, b) \
-  if constexpr (kBf16) _tile_dpbf16ps(c, a, b); else _tile_dpbusd(c, a, b)
+  // One step at group k: tile X <- the rows' groups, W0 and (with pair) W1 <- the panels', sums
+  // 0 and 1 += their products. A macro: the intrinsics take tile numbers as literal tokens.
+#define FASTATTN_AMX_STEP(X, W0, W1, k)                                             \
+  do {                                                                              \
+    _tile_loadd(X, rows + (k) * 4, x_stride);                                       \
+    _tile_loadd(W0, w0 + (k) * kRow, kRow);                                         \
+    if constexpr (kBf16) _tile_dpbf16ps(0, X, W0); else _tile_dpbusd(0, X, W0);     \
+    if (pair) {                                                                     \
+      _tile_loadd(W1, w1 + (k) * kRow, kRow);                                       \
+      if constexpr (kBf16) _tile_dpbf16ps(1, X, W1); else _tile_dpbusd(1, X, W1);   \
+    }                                                                               \
+  } while (false)
   alignas(64) Acc sums[2][16][16];
   const auto *x_bytes = static_cast<const uint8_t *>(x);
   const auto *panel_bytes = static_cast<const uint8_t *>(panels);
@@ -75,31 +85,15 @@ FASTATTN_AMX_INLINE void amx_panels(const void *x, int64_t x_stride, int64_t N, 
       const uint8_t *rows = x_bytes + n * x_stride;
       _tile_zero(0);
       _tile_zero(1);
-      for (int64_t k = 0; k < full; k += kGroups) {
-        _tile_loadd(2, rows + k * 4, x_stride);
-        _tile_loadd(3, w0 + k * kRow, kRow);
-        FASTATTN_TILE_DOT(0, 2, 3);
-        if (pair) {
-          _tile_loadd(4, w1 + k * kRow, kRow);
-          FASTATTN_TILE_DOT(1, 2, 4);
-        }
-      }
-      if (tail) {
-        _tile_loadd(5, rows + full * 4, x_stride);
-        _tile_loadd(6, w0 + full * kRow, kRow);
-        FASTATTN_TILE_DOT(0, 5, 6);
-        if (pair) {
-          _tile_loadd(7, w1 + full * kRow, kRow);
-          FASTATTN_TILE_DOT(1, 5, 7);
-        }
-      }
+      for (int64_t k = 0; k < full; k += kGroups) FASTATTN_AMX_STEP(2, 3, 4, k);
+      if (tail) FASTATTN_AMX_STEP(5, 6, 7, full);
       _tile_stored(0, sums[0], kRow);
       _tile_stored(1, sums[1], kRow);
       for (int64_t r = 0; r < std::min<int64_t>(16, N - n); ++r)
         for (int q = 0; q < 1 + pair; ++q) finish(n + r, p + q, sums[q][r]);
     }
   }
-#undef FASTATTN_TILE_DOT
+#undef FASTATTN_AMX_STEP
   _tile_release();
 }
 

@@ -99,7 +99,7 @@ def test_every_level_computes_what_avx512_bf16_computes(at_every_cpu_isa):
     assert ops.bf16_kernel() == expected[at_every_cpu_isa]
     if at_every_cpu_isa == "amx":
         return  # AMX's sums: test_amx_tiles_sum_within_float32_rounding
-    set_cpu_isa(supported_cpu_isas()[min(2, len(supported_cpu_isas()) - 1)])  # up to avx512
+    set_cpu_isa("avx512")  # or this CPU's best below it
     assert torch.equal(ops.pack_linear_weight_bf16(w), panels)
     best = [ops.linear_bf16(x, panels, b, 100), ops.log_softmax_linear_bf16(x, panels, 100)]
     for out, best_out in zip(outs, best, strict=True):
