@@ -53,7 +53,8 @@ struct Bf16Product {
 };
 
 // out[n, 16p : 16p + 16] = acc + bias, the last panel's first columns only (no out: nowhere);
-// with lse, the values join row n's RowLse.
+// with lse, the values join row n's RowLse (kAvx512: in one 16-lane pass, for AVX-512 kernels).
+template <bool kAvx512 = false>
 FASTATTN_INLINE void finish(const Bf16Product &a, int64_t n, int64_t p, const float *acc,
                             RowLse *lse) {
   const int64_t o = p * kPanel, columns = std::min(kPanel, a.O - o);
@@ -62,7 +63,11 @@ FASTATTN_INLINE void finish(const Bf16Product &a, int64_t n, int64_t p, const fl
     v16 y = load16(acc);
     if (a.bias) y += load16(a.bias + o);
     if (out) std::memcpy(out, &y, sizeof y);
-    if (lse) lse->add16(y, o);
+    if constexpr (kAvx512) {
+      if (lse) lse->add16_avx512(y, o);
+    } else if (lse) {
+      lse->add16(y, o);
+    }
     return;
   }
   float y[kPanel];
@@ -196,7 +201,7 @@ FASTATTN_BF16_INLINE void block_bf16(const Bf16Product &a, int64_t n, int64_t p,
     for (int q = 0; q < P; ++q) {
       float sums[kPanel];
       _mm512_storeu_ps(sums, acc[r][q]);
-      finish(a, n + r, p + q, sums, lse ? lse + n + r : nullptr);
+      finish<true>(a, n + r, p + q, sums, lse ? lse + n + r : nullptr);
     }
   }
 }
@@ -227,7 +232,7 @@ FASTATTN_AMX void panels_amx(const Bf16Product &a, int64_t p0, int64_t p1, RowLs
   // always_inline: a lambda does not take the function's target, and inlined it is built with it.
   const auto finish_row = [&](int64_t n, int64_t p, const float *sums)
                               __attribute__((always_inline)) {
-    finish(a, n, p, sums, lse ? lse + n : nullptr);
+    finish<true>(a, n, p, sums, lse ? lse + n : nullptr);
   };
   amx_panels<true, float>(a.x, a.xs * sizeof(uint16_t), a.N, a.D2, a.panels, p0, p1, finish_row);
 }

@@ -85,7 +85,9 @@ struct Int8Product {
 // out[n, 16p : 16p + 16] = (acc - offset · sums) · (sx[n] · sw) + bias, the last panel's first
 // columns only (no out: nowhere); with lse, the values join row n's RowLse. offset is 128 where acc
 // summed the stored bytes qx + 128, 0 where it summed qx. The last panel's columns go through the
-// same 16-lane arithmetic, padded: every kernel that inlines this rounds them alike.
+// same 16-lane arithmetic, padded: every kernel that inlines this rounds them alike. kAvx512: for
+// kernels compiled for AVX-512, whose RowLse takes a panel in one 16-lane pass (the same values).
+template <bool kAvx512 = false>
 FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const int32_t *acc,
                             RowLse *lse, int32_t offset = 128) {
   const int64_t o = p * kPanel, columns = std::min(kPanel, a.O - o);
@@ -108,7 +110,10 @@ FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const in
   if (out && columns == kPanel) std::memcpy(out, &y, sizeof y);
   else if (out) std::memcpy(out, &y, columns * sizeof(float));
   if (!lse) return;
-  if (columns == kPanel) return lse->add16(y, o);
+  if (columns == kPanel) {
+    if constexpr (kAvx512) return lse->add16_avx512(y, o);
+    return lse->add16(y, o);
+  }
   float part[kPanel];
   std::memcpy(part, &y, sizeof part);
   lse->add(part, columns, o);
@@ -234,7 +239,7 @@ FASTATTN_VNNI_INLINE void block_vnni(const Int8Product &a, int64_t n, int64_t p,
     for (int q = 0; q < P; ++q) {
       int32_t sums[kPanel];
       _mm512_storeu_si512(sums, acc[r][q]);
-      finish(a, n + r, p + q, sums, lse ? lse + n + r : nullptr);
+      finish<true>(a, n + r, p + q, sums, lse ? lse + n + r : nullptr);
     }
   }
 }
@@ -280,7 +285,7 @@ FASTATTN_VNNI void panels_vnni(const Int8Product &a, int64_t p0, int64_t p1, Row
 FASTATTN_AMX void panels_amx(const Int8Product &a, int64_t p0, int64_t p1) {
   // always_inline: a lambda does not take the function's target, and inlined it is built with it.
   const auto finish_row = [&](int64_t n, int64_t p, const int32_t *sums)
-                              __attribute__((always_inline)) { finish(a, n, p, sums, nullptr); };
+                              __attribute__((always_inline)) { finish<true>(a, n, p, sums, nullptr); };
   amx_panels<false, int32_t>(a.x, a.xs, a.N, a.D4, a.panels, p0, p1, finish_row);
 }
 #endif

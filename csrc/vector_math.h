@@ -167,6 +167,13 @@ FASTATTN_INLINE bool any(v8i mask) {
   return (words[0] | words[1] | words[2] | words[3]) != 0;
 }
 
+FASTATTN_INLINE bool any(v16i mask) {
+  uint64_t words[8];
+  std::memcpy(words, &mask, sizeof words);
+  return (words[0] | words[1] | words[2] | words[3] | words[4] | words[5] | words[6] |
+          words[7]) != 0;
+}
+
 FASTATTN_INLINE float max8(v8 a) {
   v4 m = __builtin_shufflevector(a, a, 0, 1, 2, 3);
   const v4 hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);

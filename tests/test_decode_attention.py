@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fastattn.inference.native  # loads fastattn._C, which registers the ops
+from fastattn._native import cpu_isa, set_cpu_isa, supported_cpu_isas
 from fastattn.inference import Decoder
 from fastattn.inference.decoder import step_attention
 from fastattn.inference.native import (
@@ -238,6 +239,30 @@ def test_log_softmax_linear_propagates_nan_and_keeps_other_dtypes(at_every_cpu_i
     out = torch.ops.fastattn.log_softmax_linear(x[:3].double(), weight.double(), None)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, expected, rtol=1e-9, atol=1e-9, equal_nan=True)
+
+
+VECTOR_ISAS = [level for level in supported_cpu_isas() if level != "scalar"]
+
+
+@pytest.mark.skipif(len(VECTOR_ISAS) < 2,
+                    reason="this CPU (or FASTATTN_CPU_ISA) has one vector level")
+@pytest.mark.parametrize("rows", [1, 7, 17, 40])
+def test_log_softmax_linear_is_the_same_bits_at_every_vector_level(rows):
+    """AVX2's 8-float and AVX-512's 16-float panels sum each output over the inputs in the same
+    order with the same multiply-adds, and the log-sum-exp's exponentials are the same lane by
+    lane (AVX-512's one 16-lane pass, AVX2's two 8-lane halves): the same bits."""
+    x = torch.randn(rows, 128)
+    weight = torch.randn(5455, 128) / 4
+    packed = torch.ops.fastattn.pack_linear_weight(weight)
+    before = cpu_isa()
+    try:
+        outs = {level: torch.ops.fastattn.log_softmax_linear(x, weight, packed)
+                for level in VECTOR_ISAS if set_cpu_isa(level) == level}
+    finally:
+        set_cpu_isa(before)
+    first = next(iter(outs.values()))
+    for level, out in outs.items():
+        assert torch.equal(out, first), level
 
 
 @pytest.mark.parametrize("stack", ["decoder", "encoder"])
