@@ -9,8 +9,11 @@ medians.
     python -m scripts.compare_builds OLD.so NEW.so [--model multi30k] [--precision fp32]
         [--batch 16] [--rounds 6] [--pairs 6] [--attention]
 
-Keep a build by copying fastattn/_C*.so aside after `python setup.py build_ext --inplace`. Hold
-both to a level with the usual variables (FASTATTN_CPU_ISA=avx2, ATEN_CPU_CAPABILITY=avx2, ...).
+Keep a build by copying fastattn/_C*.so aside after `python setup.py build_ext --inplace`. A
+build may also be a checkout's directory with its extension built in place (`git worktree add
+DIR COMMIT`, then `python setup.py build_ext --inplace` there): its runs take that checkout's
+Python side too, for builds whose ops this one's Python does not call. Hold both to a level
+with the usual variables (FASTATTN_CPU_ISA=avx2, ATEN_CPU_CAPABILITY=avx2, ...).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
+import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def load_build(build: str) -> None:
@@ -76,7 +81,8 @@ def attention(rounds: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("a", help="build A: a fastattn._C shared object")
+    parser.add_argument("a", help="build A: a fastattn._C shared object, or a checkout's "
+                        "directory with its extension built in place")
     parser.add_argument("b", help="build B")
     parser.add_argument("--model", default="multi30k", choices=["multi30k", "d512-6+6"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "int8", "bf16"])
@@ -90,18 +96,24 @@ def main() -> None:
     if args.child:
         import torch
 
-        load_build(args.a)
+        if not Path(args.a).is_dir():  # a checkout: its own fastattn comes first on the path
+            load_build(args.a)
         torch.set_num_threads(1)
         print(attention(args.rounds) if args.attention
               else decoding(args.model, args.precision, args.batch, args.rounds))
         return
 
     def run(build: str) -> float:
-        command = [sys.executable, "-m", "scripts.compare_builds", build, build, "--child",
+        command = [sys.executable, str(Path(__file__).resolve()), build, build, "--child",
                    "--model", args.model, "--precision", args.precision,
                    "--batch", str(args.batch), "--rounds", str(args.rounds),
                    *(["--attention"] if args.attention else [])]
-        done = subprocess.run(command, capture_output=True, text=True, check=True)
+        # The child imports fastattn and benchmarks from the checkout given, else from here.
+        tree = Path(build).resolve() if Path(build).is_dir() else Path.cwd()
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=tree,
+                              env=env)
         return float(done.stdout.split()[-1])
 
     what = ("attention forward + backward" if args.attention
