@@ -63,11 +63,7 @@ FASTATTN_INLINE void finish(const Bf16Product &a, int64_t n, int64_t p, const fl
     v16 y = load16(acc);
     if (a.bias) y += load16(a.bias + o);
     if (out) std::memcpy(out, &y, sizeof y);
-    if constexpr (kAvx512) {
-      if (lse) lse->add16_avx512(y, o);
-    } else if (lse) {
-      lse->add16(y, o);
-    }
+    if (lse) lse->add16<kAvx512>(y, o);
     return;
   }
   float y[kPanel];

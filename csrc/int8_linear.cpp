@@ -110,10 +110,7 @@ FASTATTN_INLINE void finish(const Int8Product &a, int64_t n, int64_t p, const in
   if (out && columns == kPanel) std::memcpy(out, &y, sizeof y);
   else if (out) std::memcpy(out, &y, columns * sizeof(float));
   if (!lse) return;
-  if (columns == kPanel) {
-    if constexpr (kAvx512) return lse->add16_avx512(y, o);
-    return lse->add16(y, o);
-  }
+  if (columns == kPanel) return lse->add16<kAvx512>(y, o);
   float part[kPanel];
   std::memcpy(part, &y, sizeof part);
   lse->add(part, columns, o);

@@ -65,12 +65,12 @@ FASTATTN_INLINE void panel_rows(const float *x, int64_t n, int64_t D, const floa
           continue;
         }
       }
-      if constexpr (kWidth == 16) {
+      if constexpr (kWidth == 16) {  // AVX-512 code: a whole panel from its register
         if (columns == kPanel) {
           v16 y = acc[r][p];
           if (b) y += load16(b);
           if (o) store_as<v16>(o, y);
-          if (rows) rows[r].add16_avx512(y, c);
+          if (rows) rows[r].add16<true>(y, c);
           continue;
         }
       }

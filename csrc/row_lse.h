@@ -70,41 +70,40 @@ struct RowLse {
     top.capacity = top_capacity;
   }
 
-  // The 16 values of columns [column, column + 16). Always inlined: a call would pass the vector
-  // in a register only some callers' targets have.
+  // The 16 values of columns [column, column + 16). kAvx512 (callers compiled for AVX-512 only):
+  // in one 16-lane pass, half the instructions of two 8-lane halves; below AVX-512 GCC makes
+  // 16-lane comparisons scalar code, so halves. The same values either way. Always inlined: a
+  // call would pass the vector in a register only some callers' targets have.
+  template <bool kAvx512 = false>
   FASTATTN_INLINE void add16(v16 a, int64_t column) {
-    add8(low8(a), column);
-    add8(high8(a), column + 8);
-  }
-
-  // The same in one 16-lane pass, half the instructions of two halves: only for code compiled
-  // for AVX-512 (the v16 products), as elsewhere GCC makes 16-lane comparisons scalar code.
-  // Lane by lane the same arithmetic as add16, in the same column order: the same values.
-  FASTATTN_INLINE void add16_avx512(v16 x, int64_t column) {
-    if (top.capacity > 0 && any(x >= (v16{} + top.worst())))
-      for (int l = 0; l < kPanel; ++l) top.offer(x[l], static_cast<int32_t>(column + l));
-    const v16 m = load16(max);
-    if (any(x > m)) {
-      const v16 grown = x > m ? x : m;
-      store16(sum, load16(sum) * exp_nonpositive_vector<v16, v16i>(m - grown));
-      store16(max, grown);
+    if constexpr (kAvx512) {
+      add_lanes<v16, v16i>(a, column);
+    } else {
+      add8(low8(a), column);
+      add8(high8(a), column + 8);
     }
-    store16(sum, load16(sum) + exp_nonpositive_vector<v16, v16i>(x - load16(max)));
   }
 
   // Columns [column, column + 8), column a multiple of 8: AVX2's products add each half of a
   // panel as it leaves its register, where a 16-float vector went through the stack.
-  FASTATTN_INLINE void add8(v8 x, int64_t column) {
-    if (top.capacity > 0 && any(x >= (v8{} + top.worst())))
-      for (int l = 0; l < 8; ++l) top.offer(x[l], static_cast<int32_t>(column + l));
-    const int64_t first = column % kPanel;
-    const v8 m = load8(max + first);
+  FASTATTN_INLINE void add8(v8 x, int64_t column) { add_lanes<v8, v8i>(x, column); }
+
+  // The lanes of x (8 or 16 floats), columns [column, ...), column a multiple of their count.
+  template <typename V, typename VI>
+  FASTATTN_INLINE void add_lanes(V x, int64_t column) {
+    constexpr int kLanes = sizeof(V) / sizeof(float);
+    if (top.capacity > 0 && any(x >= (V{} + top.worst())))
+      for (int l = 0; l < kLanes; ++l) top.offer(x[l], static_cast<int32_t>(column + l));
+    const int64_t first = kLanes == kPanel ? 0 : column % kPanel;
+    float *lane_max = max + first, *lane_sum = sum + first;
+    const V m = load_as<V>(lane_max);
     if (any(x > m)) {  // rare after the first panels: rescale the lanes whose maximum grew
-      const v8 grown = x > m ? x : m;
-      store8(sum + first, load8(sum + first) * exp_nonpositive(m - grown));
-      store8(max + first, grown);
+      const V grown = x > m ? x : m;
+      store_as<V>(lane_sum, load_as<V>(lane_sum) * exp_nonpositive_vector<V, VI>(m - grown));
+      store_as<V>(lane_max, grown);
     }
-    store8(sum + first, load8(sum + first) + exp_nonpositive(x - load8(max + first)));
+    store_as<V>(lane_sum,
+                load_as<V>(lane_sum) + exp_nonpositive_vector<V, VI>(x - load_as<V>(lane_max)));
   }
 
   // A last panel's `width` values, from column on.
