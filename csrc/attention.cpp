@@ -205,7 +205,6 @@ FASTATTN_INLINE void backward_head(const Head a, const float *q, const float *k,
                                    const float *delta, const float *lse, float *pt, float *dst,
                                    float *pz, float *dq, float *dk, float *dv) {
   const int64_t D = a.D, Dp = padded(D), Lqp = padded(a.Lq);
-  constexpr int64_t V = kRows / kLanes;
   std::fill(dk, dk + a.Lk * Dp, 0.0f);
   std::fill(dv, dv + a.Lk * Dp, 0.0f);
   for (int64_t i0 = 0; i0 < a.Lq; i0 += kRows) {
